@@ -1,0 +1,188 @@
+"""Build the model's ``BatchView`` for one forward from per-sequence chunks.
+
+Everything is derived with vectorised integer arithmetic on small host tensors (no Python loop
+over tokens), once per forward, and moved to the model's device in one go. The index rules:
+
+* sliding window: a query at position ``p`` sees raw rows ``[lo, hi]`` (text: ``[p-W+1, p]``);
+  rows before the chunk start come from the slot's ring, the rest from this forward's tokens;
+* a compressor window ``w`` closes at ``w*m + m - 1``; it pools positions
+  ``[w*m + m - span, w*m + m)`` and lands in pool row ``w`` of the sequence;
+* a query sees compressed rows ``r < (p + 1) // m`` (complete windows only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.batch import BatchView, CompressIndex, VisibleRows
+from .layout import StateLayout
+
+
+class ViewError(RuntimeError):
+    """A forward was planned that the state cannot serve (unreserved pages, duplicate slot...)."""
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a forward: ``len(ids)`` new tokens starting at absolute ``start``."""
+
+    slot: int
+    start: int
+    ids: Sequence[int] | torch.Tensor
+    block_table: Sequence[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+_I64 = torch.int64
+
+
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segment sizes ``counts [S]``: (segment id, index within segment) of every element."""
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), dtype=_I64), counts)
+    offsets = torch.cumsum(counts, 0) - counts
+    return seg, torch.arange(int(counts.sum()), dtype=_I64) - offsets[seg]
+
+
+def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device) -> BatchView:
+    if not chunks:
+        raise ViewError("a forward needs at least one sequence")
+    slots = [c.slot for c in chunks]
+    if len(set(slots)) != len(slots):
+        raise ViewError(f"a slot appears twice in one forward: {slots}")
+    for c in chunks:
+        if not 0 <= c.slot < n_slots:
+            raise ViewError(f"slot {c.slot} out of range [0, {n_slots})")
+        if len(c) < 1 or c.start < 0:
+            raise ViewError(f"slot {c.slot}: empty chunk or negative start ({c.start})")
+    _check_pages(layout, chunks)
+
+    g = _Geometry.of(layout, chunks)
+    window = layout.cfg.sliding_window
+    tensors: dict[str, torch.Tensor] = {}
+    tensors["ids"] = torch.cat([torch.as_tensor(c.ids, dtype=_I64).reshape(-1) for c in chunks])
+    tensors["positions"] = g.pos
+    lo = (g.pos - (window - 1)).clamp(min=0)
+    keys, valid = _ring_gather(g, lo, g.pos, ring_len=window, n_ring=n_slots * window)
+    tensors.update(swa_keys=keys, swa_valid=valid)
+    dst, src = _ring_writes(g, window)
+    tensors.update(swa_dst=dst, swa_src=src)
+
+    compress = {}
+    for ratio, overlap in sorted({(ly.ratio, ly.overlap) for ly in layout.layers if ly.ratio}):
+        compress[(ratio, overlap)] = _compress_index(layout, g, ratio, overlap, n_slots)
+    visible = {ratio: _visible(layout, g, ratio) for ratio in layout.cfg.distinct_ratios}
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return BatchView(
+        ids=dev(tensors["ids"]), positions=dev(g.pos),
+        swa_keys=dev(tensors["swa_keys"]), swa_valid=dev(tensors["swa_valid"]),
+        swa_dst=dev(tensors["swa_dst"]), swa_src=dev(tensors["swa_src"]),
+        compress={k: CompressIndex(**{f: dev(v) if isinstance(v, torch.Tensor) else v for f, v in ci.items()})
+                  for k, ci in compress.items()},
+        visible={k: VisibleRows(rows=dev(r), valid=dev(v)) for k, (r, v) in visible.items()},
+    )
+
+
+def _check_pages(layout: StateLayout, chunks: Sequence[SeqChunk]) -> None:
+    ratios = layout.cfg.distinct_ratios
+    for c in chunks:
+        end = c.start + len(c)
+        need_tokens = max(((end // m) * m for m in ratios), default=0)
+        need = layout.pages_for(need_tokens)
+        if need > len(c.block_table):
+            raise ViewError(
+                f"slot {c.slot}: positions up to {end} need {need} pages but only {len(c.block_table)} are reserved"
+            )
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Per-token and per-sequence integers shared by every index rule."""
+
+    n: torch.Tensor  # [S] new tokens per sequence
+    start: torch.Tensor  # [S]
+    slot: torch.Tensor  # [S]
+    offset: torch.Tensor  # [S] first token index of each sequence in this forward
+    seq: torch.Tensor  # [T] sequence of each token
+    pos: torch.Tensor  # [T]
+    tables: torch.Tensor  # [S, max_pages] block tables (0-padded)
+    n_tokens: int
+
+    @classmethod
+    def of(cls, layout: StateLayout, chunks: Sequence[SeqChunk]) -> "_Geometry":
+        n = torch.tensor([len(c) for c in chunks], dtype=_I64)
+        start = torch.tensor([c.start for c in chunks], dtype=_I64)
+        seq, within = _segments(n)
+        width = max(1, max(len(c.block_table) for c in chunks))
+        tables = torch.zeros(len(chunks), width, dtype=_I64)
+        for i, c in enumerate(chunks):
+            if len(c.block_table):
+                tables[i, : len(c.block_table)] = torch.as_tensor(list(c.block_table), dtype=_I64)
+        return cls(n=n, start=start, slot=torch.tensor([c.slot for c in chunks], dtype=_I64),
+                   offset=torch.cumsum(n, 0) - n, seq=seq, pos=start[seq] + within, tables=tables,
+                   n_tokens=int(n.sum()))
+
+
+def _ring_gather(g: _Geometry, lo: torch.Tensor, hi: torch.Tensor, ring_len: int, n_ring: int,
+                 seq: torch.Tensor | None = None):
+    """Rows of ``cat(ring, new)`` for positions ``[lo, hi]`` per query; ``(index, valid)``."""
+    seq = g.seq if seq is None else seq
+    width = max(1, int((hi - lo).max()) + 1) if lo.numel() else 1
+    kp = lo.unsqueeze(1) + torch.arange(width, dtype=_I64)
+    valid = (kp <= hi.unsqueeze(1)) & (kp >= 0)
+    c0 = g.start[seq].unsqueeze(1)
+    from_ring = kp < c0
+    ring_idx = g.slot[seq].unsqueeze(1) * ring_len + kp.remainder(ring_len)
+    new_idx = n_ring + g.offset[seq].unsqueeze(1) + (kp - c0)
+    idx = torch.where(from_ring, ring_idx, new_idx)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def _ring_writes(g: _Geometry, ring_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's last ``min(n, ring_len)`` tokens go to ``slot * ring_len + pos % ring_len``."""
+    count = g.n.clamp(max=ring_len)
+    seq, j = _segments(count)
+    src = g.offset[seq] + g.n[seq] - count[seq] + j
+    dst = g.slot[seq] * ring_len + g.pos[src].remainder(ring_len)
+    return dst, src
+
+
+def _pool_rows(layout: StateLayout, g: _Geometry, seq: torch.Tensor, rows: torch.Tensor, ratio: int) -> torch.Tensor:
+    rpp = layout.rows_per_page(ratio)
+    page_i = (rows * ratio // layout.page_tokens).clamp(max=g.tables.shape[1] - 1)
+    if rows.dim() == 2:
+        pages = torch.gather(g.tables[seq], 1, page_i)
+    else:
+        pages = g.tables[seq, page_i]
+    return pages * rpp + rows.remainder(rpp)
+
+
+def _compress_index(layout: StateLayout, g: _Geometry, ratio: int, overlap: bool, n_slots: int) -> dict:
+    span = ratio * (2 if overlap else 1)
+    counts = (g.start + g.n) // ratio - g.start // ratio
+    seq_e, j = _segments(counts)
+    w = g.start[seq_e] // ratio + j
+    first = w * ratio + ratio - span
+    slots, valid = _ring_gather(g, first, first + span - 1, ring_len=span, n_ring=n_slots * span, seq=seq_e)
+    if slots.shape[1] != span:  # no windows close in this forward
+        slots = torch.zeros(0, span, dtype=_I64)
+        valid = torch.zeros(0, span, dtype=torch.bool)
+    dst, src = _ring_writes(g, span)
+    return dict(ratio=ratio, overlap=overlap, emit_slots=slots, emit_valid=valid, emit_pos=w * ratio,
+                emit_rows=_pool_rows(layout, g, seq_e, w, ratio), ring_dst=dst, ring_src=src)
+
+
+def _visible(layout: StateLayout, g: _Geometry, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n_vis = (g.pos + 1) // ratio
+    width = int(n_vis.max()) if n_vis.numel() else 0
+    r = torch.arange(width, dtype=_I64).unsqueeze(0).expand(g.n_tokens, width)
+    valid = r < n_vis.unsqueeze(1)
+    rows = _pool_rows(layout, g, g.seq, r, ratio)
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid

@@ -1,0 +1,97 @@
+"""Command line: ``ds4serve {serve, generate, info}``.
+
+Environment variables are read here or in ``config.py`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be integers separated by commas or spaces: {text!r}")
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--device", default=os.environ.get("DS4SERVE_DEVICE", "cpu"), help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4serve", description="Serve DeepSeek-V4 / DS4V models.")
+    parser.add_argument("--log-level", default=os.environ.get("DS4SERVE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    serve.add_argument("--model", type=Path, default=None)
+
+    gen = sub.add_parser("generate", help="generate from token-id prompts (batched)")
+    _add_model_args(gen)
+    gen.add_argument("--prompt-ids", type=_parse_ids, action="append", required=True,
+                     help="comma-separated token ids; repeat the flag for several prompts (run together)")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    info = sub.add_parser("info", help="print the model config and per-sequence state sizes")
+    _add_model_args(info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        print("ds4serve: the HTTP server is not yet available in this version "
+              "(use `ds4serve generate` or the Python API `ds4serve.LLM`).", file=sys.stderr)
+        return 2
+    if args.command == "info":
+        return _info(args)
+    return _generate(args)
+
+
+def _info(args) -> int:
+    from .cache import StateLayout
+    from .config import ModelConfig
+    from .model import parse_dtype
+
+    cfg = ModelConfig.from_file(args.model)
+    layout = StateLayout.build(cfg, parse_dtype(args.dtype))
+    kinds = ", ".join(f"{k.value}:{cfg.attn_kinds.count(k)}" for k in dict.fromkeys(cfg.attn_kinds))
+    print(f"model: {args.model}")
+    print(f"layers: {cfg.num_layers} ({kinds}); ratios {list(cfg.compress_ratios)}; window {cfg.sliding_window}")
+    print(f"hidden {cfg.hidden_size}, heads {cfg.num_heads} x {cfg.head_dim}, experts {cfg.n_routed_experts} "
+          f"top-{cfg.n_experts_per_tok}, vocab {cfg.vocab_size}, vision layers {cfg.vision.n_layers}")
+    print(f"state per token: {layout.bytes_per_token():.1f} B ({args.dtype} rows)")
+    print(f"state per slot (fixed): {layout.bytes_per_slot()} B = {layout.bytes_per_slot() / 2**20:.3f} MiB")
+    print(f"page: {layout.page_tokens} tokens = {layout.bytes_per_page()} B")
+    return 0
+
+
+def _generate(args) -> int:
+    from .llm import LLM
+
+    longest = max(len(p) for p in args.prompt_ids) + args.max_tokens
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_seqs=min(16, len(args.prompt_ids)),
+              max_model_len=longest, progress=True)
+    outs = llm.generate(args.prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for out in outs:
+        print(",".join(str(t) for t in out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

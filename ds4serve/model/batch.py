@@ -1,0 +1,80 @@
+"""The model's view of one forward: index metadata and per-layer state tensors.
+
+The model is stateless about users. The engine (through ``cache/``) hands it a :class:`BatchView`
+per forward: a *flattened* batch of tokens from many sequences, each token with its absolute
+position, plus index lists that say which stored rows every query sees and where new state is
+written. All of it is built once per step (not per layer) and reused by every layer, and by every
+layer slice of a pass. No padding token ever enters the model; index lists are padded with a
+validity mask instead.
+
+Row addressing: a *ring* holds fixed per-slot state, flattened to ``[n_slots * ring_len, width]``
+and addressed ``slot * ring_len + pos % ring_len``. Gathers read from ``cat(ring, new_rows)``: an
+index ``< ring rows`` reads stored state, an index ``>= ring rows`` reads a token of this forward.
+A *pool* holds compressed rows of all sequences, paged; its flat row index comes from the
+sequence's block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CompressIndex:
+    """Metadata shared by every layer with one compressor geometry ``(ratio, overlap)``."""
+
+    ratio: int
+    overlap: bool  # CSA: windows overlap (2 * ratio slots per row); HCA: ratio slots
+    emit_slots: torch.Tensor  # [E, span] rows of cat(ring, new states) for each closing window
+    emit_valid: torch.Tensor  # [E, span] False for slots before position 0
+    emit_pos: torch.Tensor  # [E] window start position (RoPE position of the row)
+    emit_rows: torch.Tensor  # [E] flat pool row that receives the compressed row
+    ring_dst: torch.Tensor  # [M] ring rows overwritten with this forward's token states
+    ring_src: torch.Tensor  # [M] token index (into this forward) of each written state
+
+    @property
+    def span(self) -> int:
+        return self.ratio * (2 if self.overlap else 1)
+
+
+@dataclass(frozen=True)
+class VisibleRows:
+    """For one ratio: the compressed rows each query may see (``r < (pos + 1) // ratio``)."""
+
+    rows: torch.Tensor  # [T, R] flat pool rows (padding points at row 0)
+    valid: torch.Tensor  # [T, R] bool
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """Everything a forward needs besides weights and state tensors."""
+
+    ids: torch.Tensor  # [T] token ids (image-block sentinels >= vocab_size are allowed)
+    positions: torch.Tensor  # [T] absolute positions
+    swa_keys: torch.Tensor  # [T, Kw] rows of cat(sliding ring, new kv) each query sees
+    swa_valid: torch.Tensor  # [T, Kw]
+    swa_dst: torch.Tensor  # [M] sliding-ring rows written by this forward
+    swa_src: torch.Tensor  # [M] token index of each written row
+    compress: dict[tuple[int, bool], CompressIndex] = field(default_factory=dict)
+    visible: dict[int, VisibleRows] = field(default_factory=dict)
+    is_image: torch.Tensor | None = None  # [T] bool: token belongs to an image block
+    image_embeds: torch.Tensor | None = None  # [N, D] rows that replace the embedding of image slots
+    image_rows: torch.Tensor | None = None  # [N] token index of each row of image_embeds
+    sentinel_types: torch.Tensor | None = None  # [T] int: block token type (-1 for text)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class LayerState:
+    """The state tensors of one decoder layer (all slots). Written in place by the model."""
+
+    swa: torch.Tensor  # [n_slots * window, head_dim] raw K=V ring
+    comp_ring: torch.Tensor | None = None  # [n_slots * span, 2 * c * head_dim] fp32 [C | Z+ape]
+    comp_pool: torch.Tensor | None = None  # [pool_rows, head_dim] compressed rows
+    idx_ring: torch.Tensor | None = None  # [n_slots * span, 4 * index_head_dim] fp32 (CSA indexer)
+    idx_pool: torch.Tensor | None = None  # [pool_rows, index_head_dim] indexer key rows

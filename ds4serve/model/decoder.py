@@ -1,0 +1,314 @@
+"""The DeepSeek-V4 network as modules that hold weights only (parameter names = HF names).
+
+The forward is a function of ``(hidden streams, layer range, BatchView, per-layer state)``: the
+engine can run all layers at once, or a pass a few layers at a time (layer slicing), on a flattened
+batch of many sequences at different positions. State lives in ``LayerState`` tensors owned by the
+engine's cache; the model only reads and writes them through the view's index lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import AttnKind, ModelConfig
+from .attention import gather_rows, sink_attention
+from .batch import BatchView, LayerState
+from .compressor import finish_rows, indexer_scores, pool_windows, select_top_rows, token_states
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import route, run_experts, swiglu
+from .norms import rms_norm, rms_norm_unweighted
+from .rope import apply_rope, cos_sin, inverse_frequencies
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = _param(dim)
+
+
+class Linear(nn.Module):
+    """Bias-free projection; only holds ``weight [out, in]``."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = _param(d_out, d_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = (2 + cfg.hc_mult) * cfg.hc_mult
+        self.fn = _param(n, cfg.hc_mult * cfg.hidden_size)
+        self.base = _param(n)
+        self.scale = _param(3)
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos/sin computed once per forward and shared by all layers of that forward."""
+
+    main: tuple[torch.Tensor, torch.Tensor]
+    compress: tuple[torch.Tensor, torch.Tensor]
+    emit: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Scorer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: its own overlapping compressor (width index_head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        d = cfg.index_head_dim
+        self.kv_proj = Linear(cfg.hidden_size, 2 * d)
+        self.gate_proj = Linear(cfg.hidden_size, 2 * d)
+        self.position_bias = _param(ratio, 2 * d)
+        self.kv_norm = Norm(d)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * d)
+        self.scorer = Scorer(cfg)
+
+
+class Compressor(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.ratio = cfg.compress_ratios[layer]
+        self.overlap = cfg.attn_kinds[layer] is AttnKind.CSA
+        width = cfg.head_dim * (2 if self.overlap else 1)
+        self.kv_proj = Linear(cfg.hidden_size, width)
+        self.gate_proj = Linear(cfg.hidden_size, width)
+        self.position_bias = _param(self.ratio, width)
+        self.kv_norm = Norm(cfg.head_dim)
+        self.indexer = Indexer(cfg, self.ratio) if self.overlap else None
+
+    def forward(self, x, qr, view: BatchView, st: LayerState, rope: RopeTables):
+        """Emit closing windows into the pools; return the compressed keys each query sees."""
+        key = (self.ratio, self.overlap)
+        self._emit(x, view, rope, key, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm,
+                   st.comp_ring, st.comp_pool)
+        vis = view.visible[self.ratio]
+        if self.indexer is None:
+            return gather_rows(st.comp_pool, vis.rows), vis.valid
+        ix = self.indexer
+        self._emit(x, view, rope, key, ix.kv_proj, ix.gate_proj, ix.position_bias, ix.kv_norm,
+                   st.idx_ring, st.idx_pool)
+        n_tok = x.shape[0]
+        cos, sin = rope.compress
+        q_idx = apply_rope(ix.q_b_proj(qr).view(n_tok, self.cfg.index_n_heads, -1), cos, sin)
+        head_w = ix.scorer.weights_proj(x).float() * (self.cfg.index_n_heads**-0.5)
+        scores = indexer_scores(q_idx, gather_rows(st.idx_pool, vis.rows), head_w, vis.valid)
+        cols, ok = select_top_rows(scores, self.cfg.index_topk)
+        return gather_rows(st.comp_pool, vis.rows.gather(1, cols)), ok
+
+    def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool) -> None:
+        ci = view.compress[key]
+        states = token_states(x, wkv.weight, wgate.weight, ape, view.positions)
+        if ci.emit_rows.shape[0]:
+            slots = gather_rows(torch.cat((ring, states)), ci.emit_slots)
+            pooled = pool_windows(slots, ci.emit_valid, self.overlap, self.ratio, norm.weight, self.cfg.rms_norm_eps)
+            cos, sin = rope.emit[key]
+            pool.index_copy_(0, ci.emit_rows, finish_rows(pooled, cos, sin, pool.dtype))
+        ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.sliding = cfg.attn_kinds[layer] is AttnKind.SLIDING
+        h, hd = cfg.num_heads, cfg.head_dim
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_norm = Norm(cfg.q_lora_rank)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * hd)
+        self.kv_proj = Linear(cfg.hidden_size, hd)
+        self.kv_norm = Norm(hd)
+        self.o_a_proj = Linear(h * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.sinks = _param(h)
+        self.compressor = None if self.sliding else Compressor(cfg, layer)
+
+    def forward(self, x: torch.Tensor, view: BatchView, st: LayerState, rope: RopeTables) -> torch.Tensor:
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        n_tok = x.shape[0]
+        cos, sin = rope.main if self.sliding else rope.compress
+        qr = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
+        q = rms_norm_unweighted(self.q_b_proj(qr).view(n_tok, cfg.num_heads, cfg.head_dim), eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), cos, sin)
+        keys = gather_rows(torch.cat((st.swa, kv)), view.swa_keys)
+        valid = view.swa_valid
+        st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))
+        if self.compressor is not None:
+            ckeys, cvalid = self.compressor(x, qr, view, st, rope)
+            keys, valid = torch.cat((keys, ckeys), dim=1), torch.cat((valid, cvalid), dim=1)
+        out = sink_attention(q, keys, valid, self.sinks, cfg.head_dim**-0.5)
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self.o_b_proj(self._grouped_out(out))
+
+    def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal ``o_a``: each group of heads is projected by its own slice."""
+        g = self.cfg.o_groups
+        grouped = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H/G * hd]
+        w = self.o_a_proj.weight.view(g, self.cfg.o_lora_rank, -1)  # [G, o_lora, H/G * hd]
+        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size)
+        if is_hash:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, cfg.n_experts_per_tok, dtype=torch.long))
+        else:
+            self.e_score_correction_bias = _param(cfg.n_routed_experts)
+        if cfg.vision.enabled:
+            self.bias_vl = _param(cfg.n_routed_experts)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = _param(e, 2 * i, d)
+        self.down_proj = _param(e, d, i)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        width = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.gate_proj = Linear(cfg.hidden_size, width)
+        self.up_proj = Linear(cfg.hidden_size, width)
+        self.down_proj = Linear(width, cfg.hidden_size)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.is_hash = cfg.hash_layers[layer]
+        self.gate = Gate(cfg, self.is_hash)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, view: BatchView) -> torch.Tensor:
+        cfg, g = self.cfg, self.gate
+        weights, idx = route(
+            x, g.weight, top_k=cfg.n_experts_per_tok, scoring_func=cfg.scoring_func,
+            scaling=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob,
+            bias=None if self.is_hash else g.e_score_correction_bias,
+            tid2eid=g.tid2eid if self.is_hash else None, ids=view.ids,
+            is_image=view.is_image, bias_vl=getattr(g, "bias_vl", None),
+        )
+        out = run_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj, cfg.swiglu_limit)
+        if self.shared_experts is not None:
+            s = self.shared_experts
+            out = out + s.down_proj(swiglu(s.gate_proj(x), s.up_proj(x), cfg.swiglu_limit))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg, layer)
+        self.input_layernorm = Norm(cfg.hidden_size)
+        self.post_attention_layernorm = Norm(cfg.hidden_size)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, view: BatchView, st: LayerState, rope: RopeTables) -> torch.Tensor:
+        cfg = self.cfg
+        hc_args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        hc = self.attn_hc
+        x, post, comb = hc_pre(streams, hc.fn, hc.base, hc.scale, *hc_args)
+        y = self.self_attn(rms_norm(x, self.input_layernorm.weight, cfg.rms_norm_eps), view, st, rope)
+        streams = hc_post(y, streams, post, comb)
+        hc = self.ffn_hc
+        x, post, comb = hc_pre(streams, hc.fn, hc.base, hc.scale, *hc_args)
+        y = self.mlp(rms_norm(x, self.post_attention_layernorm.weight, cfg.rms_norm_eps), view)
+        return hc_post(y, streams, post, comb)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.hc_fn = _param(cfg.hc_mult, cfg.hc_mult * cfg.hidden_size)
+        self.hc_base = _param(cfg.hc_mult)
+        self.hc_scale = _param(1)
+
+
+class Backbone(nn.Module):
+    """HF's ``model.`` prefix: embeddings, layers, hc_head and the final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size)
+        self.hc_head = HyperHead(cfg)
+
+
+class DS4ForCausalLM(nn.Module):
+    """DeepSeek-V4 text model; vision parts attach in ``model/vision.py``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq_main", inverse_frequencies(cfg.rope_main, cfg.rope_dim), persistent=False)
+        self.register_buffer("inv_freq_compress", inverse_frequencies(cfg.rope_compress, cfg.rope_dim),
+                             persistent=False)
+
+    # ---- the three stages of a forward ---------------------------------------------------------
+    def embed(self, view: BatchView) -> torch.Tensor:
+        """Token embeddings expanded to ``hc_mult`` streams: ``[T, hc, D]``."""
+        ids = view.ids
+        if view.is_image is not None:
+            ids = torch.where(view.is_image, torch.zeros_like(ids), ids)  # sentinels are out of vocab
+        x = self.model.embed_tokens(ids)
+        if view.image_rows is not None and view.image_embeds is not None:
+            x = x.index_copy(0, view.image_rows, view.image_embeds.to(x.dtype))
+        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def rope_tables(self, view: BatchView) -> RopeTables:
+        main = cos_sin(view.positions, self.inv_freq_main, self.cfg.rope_main.attention_factor)
+        af = self.cfg.rope_compress.attention_factor
+        comp = cos_sin(view.positions, self.inv_freq_compress, af)
+        emit = {key: cos_sin(ci.emit_pos, self.inv_freq_compress, af) for key, ci in view.compress.items()}
+        return RopeTables(main=main, compress=comp, emit=emit)
+
+    def forward_layers(self, streams: torch.Tensor, view: BatchView, states: Sequence[LayerState],
+                       start: int = 0, stop: int | None = None, rope: RopeTables | None = None) -> torch.Tensor:
+        """Run layers ``[start, stop)`` on ``streams [T, hc, D]``; state is updated in place."""
+        stop = self.cfg.num_layers if stop is None else stop
+        rope = rope if rope is not None else self.rope_tables(view)
+        for i in range(start, stop):
+            streams = self.model.layers[i](streams, view, states[i], rope)
+        return streams
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for every row of ``streams [N, hc, D]``."""
+        cfg, m = self.cfg, self.model
+        h = hc_head(streams, m.hc_head.hc_fn, m.hc_head.hc_base, m.hc_head.hc_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        h = rms_norm(h, m.norm.weight, cfg.rms_norm_eps)
+        return self.lm_head(h).float()

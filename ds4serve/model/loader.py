@@ -1,0 +1,62 @@
+"""Build a ``DS4ForCausalLM`` from a checkpoint directory (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from .decoder import DS4ForCausalLM
+from .rope import inverse_frequencies
+from .weights import load_state_dict
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def fp8_block_size(cfg: ModelConfig) -> tuple[int, int]:
+    """Block size of FP8 weight scales (``quantization_config.weight_block_size``; DeepSeek uses 128x128)."""
+    quant = cfg.raw.get("quantization_config") or {}
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"config field 'quantization_config.weight_block_size' must be two positive ints, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor name the model needs, with shape and (meta) dtype, without allocating."""
+    with torch.device("meta"):
+        model = DS4ForCausalLM(cfg)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+               progress: bool = True) -> tuple[ModelConfig, DS4ForCausalLM]:
+    cfg = ModelConfig.from_file(path)
+    dt = parse_dtype(dtype)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = DS4ForCausalLM(cfg)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg))
+    model.load_state_dict(sd, assign=True, strict=True)
+    model.inv_freq_main = inverse_frequencies(cfg.rope_main, cfg.rope_dim).to(device)
+    model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
+    model.eval()
+    n_params = sum(t.numel() for t in sd.values())
+    log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s", path, n_params / 1e6,
+             cfg.num_layers, dt, device)
+    return cfg, model

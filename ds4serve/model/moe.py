@@ -1,0 +1,122 @@
+"""Mixture of experts (spec ds4-text §8, ds4-vision §5.1).
+
+Routing: sqrt-softplus scores from an fp32 gate; the correction bias (or ``bias_vl`` for image
+tokens) steers *selection* only; weights come from the unbiased scores, renormalised and scaled.
+Hash layers select experts by ``tid2eid[token_id]`` for text tokens; image-block tokens bypass the
+hash table and route with ``bias_vl`` (branch-free ``where``, so it survives capture/compile).
+
+Experts run as grouped GEMMs over (token, expert) pairs sorted by expert: one kernel per
+projection for the whole flattened batch, no Python loop over sequences and no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    *,
+    top_k: int,
+    scoring_func: str,
+    scaling: float,
+    normalize: bool,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    ids: torch.Tensor,
+    is_image: torch.Tensor | None = None,
+    bias_vl: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(weights [T, k] fp32, expert ids [T, k])``."""
+    scores = score(F.linear(x.float(), gate_weight.float()), scoring_func)
+    sel = scores if bias is None else scores + bias.float()
+    if is_image is not None and bias_vl is not None:
+        sel_img = scores + bias_vl.float()
+        sel = torch.where(is_image.unsqueeze(-1), sel_img, sel)
+    idx = _topk_indices(sel, top_k)
+    if tid2eid is not None:
+        safe_ids = ids if is_image is None else torch.where(is_image, torch.zeros_like(ids), ids)
+        hashed = tid2eid[safe_ids.clamp(0, tid2eid.shape[0] - 1)].long()
+        idx = hashed if is_image is None else torch.where(is_image.unsqueeze(-1), idx, hashed)
+    weights = scores.gather(1, idx)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, idx
+
+
+def _topk_indices(sel: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(sel, k, dim=-1, sorted=False).indices
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """SiLU(min(gate, limit)) * clamp(up, -limit, limit): the gate clamp is upper-only."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def run_experts(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts for ``x [T, D]``: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (HF layout)."""
+    n_tok, top_k = idx.shape
+    n_exp = gate_up.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // top_k
+    x_sorted = x.index_select(0, token_of)
+    counts = torch.bincount(flat, minlength=n_exp)
+    h = grouped_linear(x_sorted, gate_up, counts)
+    g, u = h.chunk(2, dim=-1)
+    y = grouped_linear(swiglu(g, u, limit), down, counts)
+    y = y * weights.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    return out.index_add_(0, token_of, y)
+
+
+def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``y[rows of group e] = x[rows] @ weight[e].T`` for rows sorted by group."""
+    if _grouped_mm_ok(x_sorted.device.type, x_sorted.dtype):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return F.grouped_mm(x_sorted, weight.transpose(1, 2), offs=offs)
+    # Fallback for torch builds without grouped_mm: a loop over experts (not sequences). It needs
+    # the counts on the host, i.e. one sync per call.
+    out = x_sorted.new_empty((x_sorted.shape[0], weight.shape[1]))
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[start:start + n] = F.linear(x_sorted[start:start + n], weight[e])
+            start += n
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
+    """Probe once per (device, dtype) whether ``F.grouped_mm`` works and is exact here."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(6, 16, generator=gen).to(device_type, dtype)
+        w = torch.randn(3, 8, 16, generator=gen).to(device_type, dtype)
+        counts = torch.tensor([2, 0, 4], device=device_type)
+        got = F.grouped_mm(x, w.transpose(1, 2), offs=torch.cumsum(counts, 0).to(torch.int32))
+        ref = torch.cat([F.linear(x[:2], w[0]), F.linear(x[2:], w[2])])
+        return bool(torch.allclose(got.float(), ref.float(), atol=1e-2, rtol=1e-2))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False

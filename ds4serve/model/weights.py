@@ -1,0 +1,322 @@
+"""Checkpoint loading: safetensors (single file or sharded), HF or official names, FP8 dequantisation.
+
+This module is the only place that knows checkpoint formats (DESIGN §8.7). Tensors are opened
+lazily (safetensors mmap) and converted one at a time, with a progress bar. Official names
+(spec ds4-text §13) are mapped to the HF names the modules use; per-expert official tensors are
+stacked into HF's ``gate_up_proj`` / ``down_proj``. FP8 e4m3 weights with block scales
+(``.scale`` or ``.weight_scale_inv``) are dequantised at load. Missing, unexpected or mis-shaped
+tensors fail with one error that lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint does not match the model config (the message lists what is wrong)."""
+
+
+# Parameters kept in fp32 whatever the model dtype (HF's _keep_in_fp32_modules_strict).
+_FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", ".sinks", "position_bias", "e_score_correction_bias",
+                 "q_a_norm.", "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.",
+                 "bias_vl", "image_start", "image_pad", "image_newline", "image_end")
+
+# Checkpoint parts ds4serve does not instantiate (the MTP drafter is not used for serving yet).
+_IGNORED = (re.compile(r"^(model\.)?mtp\."),)
+
+_OFFICIAL_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "head.weight": "lm_head.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+
+_OFFICIAL_LAYER = [
+    (r"attn_norm\.weight", "input_layernorm.weight"),
+    (r"ffn_norm\.weight", "post_attention_layernorm.weight"),
+    (r"hc_attn_(fn|base|scale)", r"attn_hc.\1"),
+    (r"hc_ffn_(fn|base|scale)", r"ffn_hc.\1"),
+    (r"attn\.wq_a\.", "self_attn.q_a_proj."),
+    (r"attn\.q_norm\.", "self_attn.q_a_norm."),
+    (r"attn\.wq_b\.", "self_attn.q_b_proj."),
+    (r"attn\.wkv\.", "self_attn.kv_proj."),
+    (r"attn\.(kv_)?norm\.", "self_attn.kv_norm."),  # transformers writes attn.norm
+    (r"attn\.wo_a\.", "self_attn.o_a_proj."),
+    (r"attn\.wo_b\.", "self_attn.o_b_proj."),
+    (r"attn\.attn_sink$", "self_attn.sinks"),
+    (r"attn\.compressor\.wkv\.", "self_attn.compressor.kv_proj."),
+    (r"attn\.compressor\.wgate\.", "self_attn.compressor.gate_proj."),
+    (r"attn\.compressor\.ape$", "self_attn.compressor.position_bias"),
+    (r"attn\.compressor\.norm\.", "self_attn.compressor.kv_norm."),
+    (r"attn\.indexer\.wq_b\.", "self_attn.compressor.indexer.q_b_proj."),
+    (r"attn\.indexer\.weights_proj\.", "self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"attn\.indexer\.compressor\.wkv\.", "self_attn.compressor.indexer.kv_proj."),
+    (r"attn\.indexer\.compressor\.wgate\.", "self_attn.compressor.indexer.gate_proj."),
+    (r"attn\.indexer\.compressor\.ape$", "self_attn.compressor.indexer.position_bias"),
+    (r"attn\.indexer\.compressor\.norm\.", "self_attn.compressor.indexer.kv_norm."),
+    (r"ffn\.gate\.weight$", "mlp.gate.weight"),
+    (r"ffn\.gate\.bias$", "mlp.gate.e_score_correction_bias"),
+    (r"ffn\.gate\.bias_vl$", "mlp.gate.bias_vl"),
+    (r"ffn\.gate\.tid2eid$", "mlp.gate.tid2eid"),
+    (r"ffn\.shared_experts\.w1\.", "mlp.shared_experts.gate_proj."),
+    (r"ffn\.shared_experts\.w3\.", "mlp.shared_experts.up_proj."),
+    (r"ffn\.shared_experts\.w2\.", "mlp.shared_experts.down_proj."),
+]
+_OFFICIAL_LAYER_RE = [(re.compile(p), r) for p, r in _OFFICIAL_LAYER]
+_EXPERT_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv", "_scale_inv")
+
+
+def canonical_name(name: str) -> str:
+    """The module (HF in-memory) name for a checkpoint tensor name.
+
+    Three spellings exist in the wild: HF module names (``model.layers.0.self_attn.q_a_proj.weight``),
+    the official names (``layers.0.attn.wq_a.weight``, ``embed.weight``, ``head.weight``), and what
+    transformers 5.x writes with ``save_pretrained`` (official names under a ``model.`` prefix).
+    Names that match no rule are returned as module names and checked against the model later.
+    """
+    if name in ("lm_head.weight", "head.weight", "model.head.weight"):
+        return "lm_head.weight"
+    bare = name[len("model."):] if name.startswith("model.") else name
+    if bare in _OFFICIAL_TOP:
+        return _OFFICIAL_TOP[bare]
+    m = _LAYER_RE.match(bare)
+    if m:
+        layer, rest = m.groups()
+        for pattern, repl in _OFFICIAL_LAYER_RE:
+            if pattern.match(rest):
+                return f"model.layers.{layer}." + pattern.sub(repl, rest, count=1)
+    return "model." + bare
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / f for f in weight_map.values()})
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise CheckpointError(f"shards listed in the index are missing: {missing}")
+    return files
+
+
+class _Source:
+    """Lazy access to every tensor of a checkpoint by name."""
+
+    def __init__(self, files: list[Path]):
+        self.fp8_block = (128, 128)
+        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self.where: dict[str, int] = {}
+        for i, h in enumerate(self._handles):
+            for k in h.keys():
+                self.where[k] = i
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+
+
+def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                name: str = "?") -> torch.Tensor:
+    """FP8 e4m3 ``weight [..., out, in]`` times per-block ``scale [..., ceil(out/b0), ceil(in/b1)]``."""
+    w = weight.float()
+    s = scale.float()
+    out_dim, in_dim = w.shape[-2:]
+    b0, b1 = block
+    if s.shape[-2:] != (-(-out_dim // b0), -(-in_dim // b1)):
+        raise CheckpointError(
+            f"{name}: scale shape {list(s.shape)} does not fit weight {list(w.shape)} with block {list(block)} "
+            "(set quantization_config.weight_block_size)")
+    s = s.repeat_interleave(b0, dim=-2)[..., :out_dim, :].repeat_interleave(b1, dim=-1)[..., :in_dim]
+    return w * s
+
+
+def _scaled_weight(src: _Source, name: str) -> str | None:
+    """The weight that ``name`` is the block scale of, if it is one (``attn_hc.scale`` is not)."""
+    for suffix in _SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            for weight in (base + ".weight", base):
+                if weight != name and weight in src.where:
+                    return weight
+    return None
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scale_name(src: _Source, weight_name: str) -> str | None:
+    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    for suffix in _SCALE_SUFFIXES:
+        if base + suffix in src.where:
+            return base + suffix
+    return None
+
+
+def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    dtype: torch.dtype, device: torch.device | str, progress: bool = True,
+                    fp8_block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (shape, dtype))."""
+    src = _Source(checkpoint_files(Path(path)))
+    src.fp8_block = fp8_block
+    plan, experts, scales, ignored, unknown = _plan(src)
+    if ignored:
+        log.info("ignoring %d checkpoint tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
+    loaders: dict[str, Callable[[], torch.Tensor]] = {hf: _single_loader(src, name) for hf, name in plan.items()}
+    loaders.update(_expert_loaders(src, experts))
+
+    problems = _compare(src, plan, experts, expected, unknown)
+    if problems:
+        raise CheckpointError("checkpoint does not match the model config:\n  " + "\n  ".join(problems))
+
+    out: dict[str, torch.Tensor] = {}
+    for hf in tqdm(sorted(loaders), desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        t = loaders[hf]()
+        want_shape, want_dtype = expected[hf]
+        target = want_dtype if not want_dtype.is_floating_point else (
+            torch.float32 if _keeps_fp32(hf) else dtype)
+        # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
+        out[hf] = t.to(device=device, dtype=target, copy=True).reshape(want_shape)
+    return out
+
+
+def _keeps_fp32(name: str) -> bool:
+    return any(marker in name for marker in _FP32_MARKERS)
+
+
+def _plan(src: _Source):
+    """Sort checkpoint names into direct tensors, official per-expert pieces, scales, ignored and unknown."""
+    plan: dict[str, str] = {}
+    experts: dict[int, dict[tuple[int, str], str]] = defaultdict(dict)
+    scales, ignored, unknown = [], [], []
+    for name in src.where:
+        if any(p.search(name) for p in _IGNORED):
+            ignored.append(name)
+            continue
+        if _scaled_weight(src, name) is not None:
+            scales.append(name)
+            continue
+        m = _EXPERT_RE.match(name)
+        if m:
+            experts[int(m.group(1))][(int(m.group(2)), m.group(3))] = name
+            continue
+        hf = canonical_name(name)
+        if hf in plan:
+            unknown.append(f"{name} (duplicate of {plan[hf]})")
+        else:
+            plan[hf] = name
+    return plan, experts, scales, ignored, unknown
+
+
+def _single_loader(src: _Source, name: str) -> Callable[[], torch.Tensor]:
+    def load() -> torch.Tensor:
+        t = src.get(name)
+        if _is_fp8(t):
+            scale = _scale_name(src, name)
+            if scale is None:
+                raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
+            return dequant_fp8(t, src.get(scale), src.fp8_block, name)
+        return t
+    return load
+
+
+def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]) -> dict[str, Callable]:
+    loaders: dict[str, Callable[[], torch.Tensor]] = {}
+    for layer, pieces in experts.items():
+        n = 1 + max(j for j, _ in pieces)
+        prefix = f"model.layers.{layer}.mlp.experts."
+
+        def gate_up(pieces=pieces, n=n):
+            return torch.stack([torch.cat((_load_piece(src, pieces[(j, "w1")]), _load_piece(src, pieces[(j, "w3")])))
+                                for j in range(n)])
+
+        def down(pieces=pieces, n=n):
+            return torch.stack([_load_piece(src, pieces[(j, "w2")]) for j in range(n)])
+
+        loaders[prefix + "gate_up_proj"] = gate_up
+        loaders[prefix + "down_proj"] = down
+    return loaders
+
+
+def _load_piece(src: _Source, name: str) -> torch.Tensor:
+    t = src.get(name)
+    if t.dtype in (torch.int8, torch.uint8):
+        raise CheckpointError(
+            f"{name} is packed FP4 (MXFP4); ds4serve does not dequantise FP4 experts yet: convert them to "
+            "bf16/FP8 first")
+    if _is_fp8(t):
+        scale = _scale_name(src, name)
+        if scale is None:
+            raise CheckpointError(f"FP8 tensor {name} has no block scale")
+        return dequant_fp8(t, src.get(scale), src.fp8_block, name).float()
+    return t.float()
+
+
+def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str]) -> list[str]:
+    problems: list[str] = []
+    have = set(plan)
+    for layer, pieces in experts.items():
+        n_exp = 1 + max(j for j, _ in pieces)
+        incomplete = [f"layers.{layer}.ffn.experts.{j}.{w}" for j in range(n_exp) for w in ("w1", "w2", "w3")
+                      if (j, w) not in pieces]
+        if incomplete:
+            problems.append(f"incomplete experts: {_short(incomplete)}")
+        have |= {f"model.layers.{layer}.mlp.experts.gate_up_proj", f"model.layers.{layer}.mlp.experts.down_proj"}
+    missing = sorted(set(expected) - have)
+    unexpected = sorted((have - set(expected))) + unknown
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
+    for hf, name in plan.items():
+        if hf in expected:
+            got, want = src.shape(name), expected[hf][0]
+            if _numel(got) != _numel(want) or (len(got) == len(want) and got != want):
+                problems.append(f"tensor {name}: shape {list(got)}, expected {list(want)}")
+    for layer, pieces in experts.items():
+        for (j, w), name in pieces.items():
+            want = expected.get(f"model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}")
+            if want is None:
+                continue
+            e, rows, cols = want[0]
+            exp_shape = (rows // 2, cols) if w != "w2" else (rows, cols)
+            if src.shape(name) != exp_shape or j >= e:
+                problems.append(f"tensor {name}: shape {list(src.shape(name))}, expected {list(exp_shape)}")
+    return problems
+
+
+def _numel(shape: Iterable[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _short(items: list[str], limit: int = 12) -> str:
+    head = ", ".join(items[:limit])
+    return head + (f", ... (+{len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny reference checkpoints built with transformers (fp32, seeded)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import CONFIGS, make_checkpoint  # noqa: E402
+
+torch.set_num_threads(int(os.environ.get("DS4SERVE_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def ckpt_factory(tmp_path_factory):
+    """``ckpt_factory(name)`` -> (hf_model, checkpoint dir), built once per session."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = make_checkpoint(name, tmp_path_factory.mktemp(f"ckpt-{name}"))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llm_factory(ckpt_factory):
+    """``llm_factory(name, **settings)`` -> ds4serve ``LLM`` on that checkpoint (cached per settings)."""
+    from ds4serve.llm import LLM
+
+    cache: dict[tuple, object] = {}
+
+    def get(name: str, **kw):
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            _, path = ckpt_factory(name)
+            cache[key] = LLM(path, **kw)
+        return cache[key]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    assert CONFIGS  # the registry must not be empty

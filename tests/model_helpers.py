@@ -1,0 +1,43 @@
+"""Drive ds4serve's runner directly: (chunked) prefill then greedy decode, returning logits."""
+
+from __future__ import annotations
+
+import torch
+
+from ds4serve.cache import SeqChunk
+
+
+def ours_incremental(llm, prompt: list[int], steps: int, chunks: list[int] | None = None,
+                     forced: list[int] | None = None, slot: int = 0):
+    """Mirror of ``checkpoints.hf_incremental`` on ds4serve (one slot, one sequence)."""
+    st = llm.state
+    chunks = chunks or [len(prompt)]
+    assert sum(chunks) == len(prompt)
+
+    def fwd(start: int, piece: list[int]) -> torch.Tensor:
+        assert st.pages.reserve(slot, st.layout.pages_for(start + len(piece)))
+        return llm.runner.forward([SeqChunk(slot, start, piece, st.pages.table(slot))], all_logits=True)
+
+    try:
+        outs, pos = [], 0
+        for n in chunks:
+            outs.append(fwd(pos, prompt[pos:pos + n]))
+            pos += n
+        prompt_logits = torch.cat(outs)
+        tok = int(prompt_logits[-1].argmax())
+        dec, toks = [], []
+        for i in range(steps):
+            if forced is not None:
+                tok = forced[i]
+            toks.append(tok)
+            logits = fwd(pos, [tok])[0]
+            pos += 1
+            dec.append(logits)
+            tok = int(logits.argmax())
+        return prompt_logits, torch.stack(dec) if dec else torch.empty(0), toks
+    finally:
+        st.pages.release(slot)
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
