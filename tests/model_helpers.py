@@ -8,15 +8,16 @@ from ds4serve.cache import SeqChunk
 
 
 def ours_incremental(llm, prompt: list[int], steps: int, chunks: list[int] | None = None,
-                     forced: list[int] | None = None, slot: int = 0):
+                     forced: list[int] | None = None):
     """Mirror of ``checkpoints.hf_incremental`` on ds4serve (one slot, one sequence)."""
-    st = llm.state
+    cache = llm.core.cache
     chunks = chunks or [len(prompt)]
     assert sum(chunks) == len(prompt)
+    slot = cache.alloc_slot()
 
     def fwd(start: int, piece: list[int]) -> torch.Tensor:
-        assert st.pages.reserve(slot, st.layout.pages_for(start + len(piece)))
-        return llm.runner.forward([SeqChunk(slot, start, piece, st.pages.table(slot))], all_logits=True)
+        assert cache.reserve({slot: start + len(piece)})
+        return llm.runner.forward([SeqChunk(slot, start, piece, cache.block_table(slot))], all_logits=True)
 
     try:
         outs, pos = [], 0
@@ -36,7 +37,7 @@ def ours_incremental(llm, prompt: list[int], steps: int, chunks: list[int] | Non
             tok = int(logits.argmax())
         return prompt_logits, torch.stack(dec) if dec else torch.empty(0), toks
     finally:
-        st.pages.release(slot)
+        cache.drop(slot)
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:

@@ -18,7 +18,7 @@ LENGTHS = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 120, 250]
 
 
 def test_twelve_prompts_batched_equal_solo(llm_factory):
-    llm = llm_factory("A", prefill_chunk=64)
+    llm = llm_factory("A", max_prefill_tokens=64)
     prompts = [random_ids(n, 1000, seed=200 + n) for n in LENGTHS]
     batched = llm.generate(prompts, max_tokens=24)
     for p, got in zip(prompts, batched):
@@ -30,15 +30,15 @@ def test_batched_matches_reference_greedy(ckpt_factory, llm_factory):
     from checkpoints import hf_incremental
 
     hf, _ = ckpt_factory("B")
-    llm = llm_factory("B", prefill_chunk=48)
+    llm = llm_factory("B", max_prefill_tokens=48)
     prompts = [random_ids(n, 512, seed=300 + n) for n in (2, 9, 40, 77)]
-    batched = llm.generate(prompts, max_tokens=12)
+    batched = llm.generate(prompts, max_tokens=12, ignore_eos=True)
     for p, got in zip(prompts, batched):
         assert got == hf_incremental(hf, p, 12)[2]
 
 
 def test_seeded_sampling_is_per_prompt(llm_factory):
-    llm = llm_factory("A", prefill_chunk=64)
+    llm = llm_factory("A", max_prefill_tokens=64)
     prompts = [random_ids(n, 1000, seed=400 + n) for n in (5, 50, 130)]
     batched = llm.generate(prompts, max_tokens=16, temperature=0.9, seed=7)
     solo = [llm.generate([p], max_tokens=16, temperature=0.9, seed=7)[0] for p in prompts]
@@ -48,11 +48,11 @@ def test_seeded_sampling_is_per_prompt(llm_factory):
 
 
 def test_more_prompts_than_slots(llm_factory):
-    llm = llm_factory("A", max_seqs=3, prefill_chunk=32)
+    llm = llm_factory("A", max_seqs=3, max_prefill_tokens=32)
     prompts = [random_ids(n, 1000, seed=500 + n) for n in (7, 33, 2, 65, 18)]
     outs = llm.generate(prompts, max_tokens=6)
     assert [len(o) for o in outs] == [6] * 5
-    assert llm.state.pages.used_pages == 0
+    assert llm.core.leaks() == ""
 
 
 def test_generate_rejects_bad_input(llm_factory):
@@ -61,7 +61,7 @@ def test_generate_rejects_bad_input(llm_factory):
         llm.generate([[]], max_tokens=3)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate([[1]], max_tokens=0)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="context limit"):
         llm.generate([[1] * 10], max_tokens=10**6)
 
 

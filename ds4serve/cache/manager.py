@@ -1,0 +1,177 @@
+"""Cache operations the scheduler may ask for (DESIGN §4), all-or-nothing, each returning a status.
+
+* ``reserve``: grow sequences' page tables before compute; all requested growth or none.
+* ``suspend``: copy a slot's whole state (rings + its pages) to host memory within a bounded host
+  budget, then free the slot and its pages. ``restore`` brings it back into any free slot/pages:
+  everything is addressed by absolute position, so the new slot and page numbers do not matter.
+* ``drop``: free a slot and its pages; the scheduler recomputes the sequence from its retained
+  input later (only allowed when the input is fully retained).
+
+Also owns the per-slot *staging* buffers of prefill passes (the hidden streams ``[rows, hc, D]``
+kept between layer slices), allocated at start-up like everything else fixed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import StateLayout
+from .state import ModelState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostSnapshot:
+    """A suspended sequence's state on the host."""
+
+    n_tokens: int  # positions [0, n_tokens) are in the state
+    n_pages: int
+    rings: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer: name -> rows
+    pools: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per layer: name -> page rows
+    nbytes: int = 0
+
+
+_RINGS = ("swa", "comp_ring", "idx_ring")
+_POOLS = ("comp_pool", "idx_pool")
+
+
+class CacheManager:
+    def __init__(self, layout: StateLayout, n_slots: int, n_pages: int, device: torch.device | str,
+                 host_budget_bytes: int, staging_rows: int):
+        self.layout = layout
+        self.state = ModelState(layout, n_slots, n_pages, device)
+        self.host_budget = int(host_budget_bytes)
+        self.host_used = 0
+        self._free_slots = list(range(n_slots - 1, -1, -1))
+        cfg = layout.cfg
+        self.staging_rows = staging_rows
+        self.staging = torch.zeros(n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size, dtype=layout.dtype,
+                                   device=self.state.device)
+        log.info("allocated pass staging: %d slots x %d rows x [%d, %d] = %.1f MiB; host suspend budget %.1f MiB",
+                 n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size,
+                 self.staging.numel() * self.staging.element_size() / 2**20, self.host_budget / 2**20)
+
+    # ---- slots ---------------------------------------------------------------------------------
+    @property
+    def n_slots(self) -> int:
+        return self.state.n_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def free_pages(self) -> int:
+        return self.state.pages.free_pages
+
+    def alloc_slot(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def drop(self, slot: int) -> None:
+        """Free ``slot`` and its pages (the sequence will be recomputed, or it has ended)."""
+        self.state.pages.release(slot)
+        if slot in self._free_slots:
+            raise RuntimeError(f"slot {slot} freed twice")
+        self._free_slots.append(slot)
+
+    # ---- pages ---------------------------------------------------------------------------------
+    def pages_short(self, growth: dict[int, int]) -> int:
+        """How many more pages ``{slot: n_tokens}`` needs than are free (0 if it fits)."""
+        need = sum(max(0, self.layout.pages_for(n) - self.state.pages.owned(s)) for s, n in growth.items())
+        return max(0, need - self.free_pages)
+
+    def reserve(self, growth: dict[int, int]) -> bool:
+        """Cover positions ``[0, n)`` for every ``{slot: n}``; all of it or nothing."""
+        if self.pages_short(growth):
+            return False
+        for slot, n in growth.items():
+            ok = self.state.pages.reserve(slot, self.layout.pages_for(n))
+            if not ok:  # cannot happen after the check above; never leave a half-done reservation
+                raise RuntimeError(f"page reservation for slot {slot} failed after a successful check")
+        return True
+
+    def block_table(self, slot: int) -> list[int]:
+        return self.state.pages.table(slot)
+
+    # ---- suspend / restore ---------------------------------------------------------------------
+    def snapshot_bytes(self, slot: int) -> int:
+        return self.layout.bytes_per_slot() + self.state.pages.owned(slot) * self.layout.bytes_per_page()
+
+    def suspend(self, slot: int, n_tokens: int) -> HostSnapshot | None:
+        """Copy ``slot`` to host and free it; ``None`` (nothing changed) if the host budget is short."""
+        size = self.snapshot_bytes(slot)
+        if self.host_used + size > self.host_budget:
+            return None
+        snap = HostSnapshot(n_tokens=n_tokens, n_pages=self.state.pages.owned(slot), nbytes=size)
+        rows = self._ring_rows(slot)
+        pool_idx = self._pool_rows(slot)
+        for li, st in enumerate(self.state.layers):
+            snap.rings.append({n: getattr(st, n)[rows[n][li]].to("cpu", copy=True)
+                               for n in _RINGS if getattr(st, n) is not None})
+            snap.pools.append({n: getattr(st, n)[pool_idx[li]].to("cpu", copy=True)
+                               for n in _POOLS if getattr(st, n) is not None})
+        self.host_used += size
+        self.drop(slot)
+        return snap
+
+    def restore(self, snap: HostSnapshot) -> int | None:
+        """Bring a snapshot back into a free slot with fresh pages; ``None`` if either is short."""
+        if not self._free_slots or snap.n_pages > self.free_pages:
+            return None
+        slot = self._free_slots.pop()
+        if not self.state.pages.reserve(slot, snap.n_pages):
+            self._free_slots.append(slot)
+            return None
+        rows = self._ring_rows(slot)
+        pool_idx = self._pool_rows(slot)
+        for li, st in enumerate(self.state.layers):
+            for n, t in snap.rings[li].items():
+                getattr(st, n)[rows[n][li]] = t.to(st.swa.device)
+            for n, t in snap.pools[li].items():
+                getattr(st, n)[pool_idx[li]] = t.to(st.swa.device)
+        self.release_snapshot(snap)
+        return slot
+
+    def release_snapshot(self, snap: HostSnapshot) -> None:
+        self.host_used -= snap.nbytes
+        snap.rings, snap.pools, snap.nbytes = [], [], 0
+
+    def _ring_rows(self, slot: int) -> dict[str, list[slice]]:
+        out: dict[str, list[slice]] = {n: [] for n in _RINGS}
+        for ly in self.layout.layers:
+            out["swa"].append(slice(slot * ly.window, (slot + 1) * ly.window))
+            span = ly.span or 1
+            out["comp_ring"].append(slice(slot * span, (slot + 1) * span))
+            out["idx_ring"].append(slice(slot * span, (slot + 1) * span))
+        return out
+
+    def _pool_rows(self, slot: int) -> list[torch.Tensor]:
+        table = torch.tensor(self.state.pages.table(slot), dtype=torch.long)
+        out = []
+        for ly in self.layout.layers:
+            if not ly.ratio:
+                out.append(torch.zeros(0, dtype=torch.long))
+                continue
+            rpp = self.layout.rows_per_page(ly.ratio)
+            rows = (table.unsqueeze(1) * rpp + torch.arange(rpp)).reshape(-1)
+            out.append(rows.to(self.state.device))
+        return out
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def leaks(self, live_slots: set[int] | None = None) -> str:
+        """'' when only ``live_slots`` hold slots/pages (default: nothing is held)."""
+        live = live_slots or set()
+        problems = []
+        held = set(range(self.n_slots)) - set(self._free_slots)
+        if held != live:
+            problems.append(f"slots held {sorted(held)}, expected {sorted(live)}")
+        owners = set(self.state.pages.owners()) - live
+        if owners:
+            problems.append(f"pages owned by freed slots {sorted(owners)}")
+        if not live and self.state.pages.used_pages:
+            problems.append(f"{self.state.pages.used_pages} pages in use")
+        return "; ".join(problems)

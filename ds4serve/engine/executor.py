@@ -1,0 +1,185 @@
+"""The engine: executes one ``StepPlan`` and returns its ``StepResult`` (see ``plan.py``).
+
+Per step it runs at most one *merged* forward over all layers, holding every decoder row plus the
+passes that run start-to-finish in this step (token chunks), and one forward per layer slice of a
+pass that spans several steps. A multi-step pass keeps its hidden streams in the per-slot staging
+buffers allocated at start-up, and its index view, between slices. Then it samples every row that
+needs a token in one batched call. A forward that raises fails the step's requests (reported,
+never silent) and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import SeqChunk, build_view
+from ..cache.manager import CacheManager
+from ..config import ModelConfig
+from ..model import BatchView, DS4ForCausalLM
+from ..model.decoder import RopeTables
+from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
+                   StepStatus)
+from .sampling import sample_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PassState:
+    members: tuple[PassMember, ...]
+    view: BatchView
+    rope: RopeTables
+    cursor: int
+
+
+class StepError(RuntimeError):
+    """The engine was asked for something the plan contract forbids (a scheduler bug)."""
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager):
+        self.cfg = cfg
+        self.model = model
+        self.cache = cache
+        self.device = cache.state.device
+        self.num_layers = cfg.num_layers
+        self._passes: dict[int, _PassState] = {}
+
+    @property
+    def active_passes(self) -> set[int]:
+        return set(self._passes)
+
+    def cancel_pass(self, pass_id: int) -> None:
+        """Forget a pass in flight (its requests were aborted or failed); its staging is free again."""
+        self._passes.pop(pass_id, None)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        try:
+            tokens, progress = self._execute(plan)
+        except Exception as exc:  # one bad step fails its requests, not the engine
+            log.exception("step %d failed (%d decoders, %d pass slices)", plan.step_id, len(plan.decodes),
+                          len(plan.passes))
+            for p in plan.passes:
+                self._passes.pop(p.pass_id, None)
+            return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
+                              error=f"{type(exc).__name__}: {exc}", elapsed_s=time.perf_counter() - t0)
+        return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress,
+                          elapsed_s=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------------
+    def _execute(self, plan: StepPlan):
+        L = self.num_layers
+        whole = [p for p in plan.passes if p.layer_start == 0 and p.layer_stop == L]
+        sliced = [p for p in plan.passes if p not in whole]
+        rows: list[torch.Tensor] = []  # hidden streams of rows to sample, in ``samplers`` order
+        samplers: list = []
+        owners: list[tuple[str, int]] = []
+        if plan.decodes or whole:
+            self._merged_forward(plan.decodes, whole, rows, samplers, owners)
+        progress = [PassProgress(p.pass_id, L, True) for p in whole]
+        for p in sliced:
+            progress.append(self._advance(p, rows, samplers, owners))
+        tokens = self._sample(rows, samplers, owners)
+        return tuple(tokens), tuple(progress)
+
+    def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows, samplers, owners):
+        chunks = [SeqChunk(d.slot, d.position, (d.token,), self.cache.block_table(d.slot)) for d in decodes]
+        want = [(d.request_id, d.slot, d.sampler) for d in decodes]
+        for p in whole:
+            for m in p.members:
+                chunks.append(self._member_chunk(m))
+                want.append((m.request_id, m.slot, m.sampler) if m.sample else None)
+        view = build_view(self.cache.layout, self.cache.n_slots, chunks, self.device)
+        streams = self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
+        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
+        pick = [int(e) for e, w in zip(ends, want) if w is not None]
+        if pick:
+            rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
+            for w in want:
+                if w is not None:
+                    owners.append((w[0], w[1]))
+                    samplers.append(w[2])
+
+    def _member_chunk(self, m: PassMember) -> SeqChunk:
+        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot))
+
+    def _advance(self, p: PassSlice, rows, samplers, owners) -> PassProgress:
+        """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
+        st = self._passes.get(p.pass_id)
+        if p.layer_start == 0:
+            if st is not None:
+                raise StepError(f"pass {p.pass_id} started twice")
+            for m in p.members:
+                if len(m.ids) > self.cache.staging_rows:
+                    raise StepError(f"pass {p.pass_id}: {len(m.ids)} rows exceed the staging size "
+                                    f"{self.cache.staging_rows}")
+            view = build_view(self.cache.layout, self.cache.n_slots, [self._member_chunk(m) for m in p.members],
+                              self.device)
+            st = _PassState(members=p.members, view=view, rope=self.model.rope_tables(view), cursor=0)
+            streams = self.model.embed(view)
+        else:
+            if st is None or st.cursor != p.layer_start:
+                raise StepError(f"pass {p.pass_id}: slice starts at layer {p.layer_start}, "
+                                f"cursor {None if st is None else st.cursor}")
+            if tuple(m.request_id for m in st.members) != tuple(m.request_id for m in p.members):
+                self._shrink(p, st)
+            streams = self._load_staging(st.members)
+        streams = self.model.forward_layers(streams, st.view, self.cache.state.layers, p.layer_start, p.layer_stop,
+                                            rope=st.rope)
+        st.cursor = p.layer_stop
+        if p.layer_stop < self.num_layers:
+            self._passes[p.pass_id] = st
+            self._store_staging(st.members, streams)
+            return PassProgress(p.pass_id, st.cursor, False)
+        self._passes.pop(p.pass_id, None)
+        ends = torch.cumsum(torch.tensor([len(m.ids) for m in p.members]), 0) - 1
+        pick = [int(e) for e, m in zip(ends, p.members) if m.sample]
+        if pick:
+            rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
+            for m in p.members:
+                if m.sample:
+                    owners.append((m.request_id, m.slot))
+                    samplers.append(m.sampler)
+        return PassProgress(p.pass_id, st.cursor, True)
+
+    def _shrink(self, p: PassSlice, st: _PassState) -> None:
+        """Members left the pass (aborted): continue with the rest, re-indexed for their rows only."""
+        before = [m.request_id for m in st.members]
+        kept = [m.request_id for m in p.members]
+        if not set(kept) <= set(before) or kept != [r for r in before if r in kept]:
+            raise StepError(f"pass {p.pass_id}: members {kept} are not an ordered subset of {before}")
+        st.members = p.members
+        st.view = build_view(self.cache.layout, self.cache.n_slots, [self._member_chunk(m) for m in p.members],
+                             self.device)
+        st.rope = self.model.rope_tables(st.view)
+
+    def _store_staging(self, members, streams: torch.Tensor) -> None:
+        offset = 0
+        for m in members:
+            n = len(m.ids)
+            self.cache.staging[m.slot, :n].copy_(streams[offset:offset + n])
+            offset += n
+
+    def _load_staging(self, members) -> torch.Tensor:
+        parts = [self.cache.staging[m.slot, :len(m.ids)] for m in members]
+        return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+
+    def _sample(self, rows, samplers, owners) -> list[SampledToken]:
+        if not samplers:
+            return []
+        logits = self.model.logits(torch.cat(rows) if len(rows) > 1 else rows[0])
+        draws = sample_rows(logits, samplers)
+        out = []
+        for (rid, slot), d in zip(owners, draws):
+            if d.ok:
+                out.append(SampledToken(rid, slot, d.token, logprob=d.logprob, top_logprobs=d.top_logprobs))
+            else:
+                log.error("request %s (slot %d): %s", rid, slot, d.error)
+                out.append(SampledToken(rid, slot, -1, status=RowStatus.FAILED, error=d.error))
+        return out

@@ -1,0 +1,185 @@
+"""The step contract between policy (scheduler) and mechanism (engine).
+
+The boundary: each iteration the scheduler hands the engine one frozen ``StepPlan`` and gets back
+one frozen ``StepResult``. The plan lists every live decoder exactly once (one token fed, one token
+sampled) and slices of prefill *passes* (a pass is a prefill in flight; a slice advances it over a
+range of layers). The engine executes the plan and reports one sampled token per decoder, one per
+pass member whose prompt ended when its pass completed, and the layer cursor of every pass.
+
+Rules:
+* One thread owns model state: the engine loop calls ``Engine.step`` and nothing else touches the
+  state tensors concurrently.
+* Nothing about HTTP, tokenizers or request bookkeeping crosses this boundary; the engine knows
+  slots, positions, token ids and sampler state, nothing else.
+* ``validate_step_result(plan, result)`` runs on every step; a non-empty answer is a fatal step
+  error, never ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """A live decoder: feed ``token`` at absolute ``position`` in ``slot``, sample one token."""
+
+    request_id: str
+    slot: int
+    position: int
+    token: int
+    sampler: Any = field(default=None, compare=False)  # the request's SamplerState (engine advances its RNG)
+
+
+@dataclass(frozen=True)
+class PassMember:
+    """One sequence's rows in a pass: ``ids`` at absolute positions ``start...``."""
+
+    request_id: str
+    slot: int
+    start: int
+    ids: tuple[int, ...]
+    sample: bool  # the pass ends this sequence's pending input: sample its next token at the end
+    sampler: Any = field(default=None, compare=False)
+    images: Any = field(default=None, compare=False)  # image rows for this member's blocks (DS4V)
+
+
+@dataclass(frozen=True)
+class PassSlice:
+    """Advance pass ``pass_id`` through layers ``[layer_start, layer_stop)``.
+
+    The members are fixed for the pass's life; the first slice (``layer_start == 0``) creates the
+    pass and its staging, the slice ending at the last layer completes it.
+    """
+
+    pass_id: int
+    layer_start: int
+    layer_stop: int
+    members: tuple[PassMember, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(len(m.ids) for m in self.members)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    decodes: tuple[DecodeRow, ...]
+    passes: tuple[PassSlice, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.passes
+
+    def row_layers(self, num_layers: int) -> int:
+        """Cost of the plan in the step budget's unit."""
+        return len(self.decodes) * num_layers + sum(p.rows * (p.layer_stop - p.layer_start) for p in self.passes)
+
+
+class RowStatus(str, Enum):
+    """Outcome of one sampled row."""
+
+    OK = "ok"  # ``token`` is valid
+    FAILED = "failed"  # this request alone failed (e.g. non-finite logits); ``error`` says why
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    slot: int
+    token: int
+    status: RowStatus = RowStatus.OK
+    logprob: float | None = None  # log-probability of ``token`` under the raw model distribution
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token, logprob), best first
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PassProgress:
+    pass_id: int
+    layer_cursor: int  # layers done so far
+    done: bool  # the pass completed (its staging is freed)
+
+
+class StepStatus(str, Enum):
+    OK = "ok"  # the plan executed
+    FAILED = "failed"  # the forward raised; every request in the plan failed with ``error``
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    tokens: tuple[SampledToken, ...]
+    passes: tuple[PassProgress, ...]
+    status: StepStatus = StepStatus.OK
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+
+def validate_plan(plan: StepPlan, num_layers: int) -> str:
+    """Scheduler-side sanity: every slot at most once, slices well-formed. Empty string if fine."""
+    seen: dict[int, str] = {}
+    for row in plan.decodes:
+        if row.slot in seen:
+            return f"slot {row.slot} planned twice ({seen[row.slot]} and {row.request_id})"
+        seen[row.slot] = row.request_id
+    ids = set()
+    for p in plan.passes:
+        if p.pass_id in ids:
+            return f"pass {p.pass_id} planned twice"
+        ids.add(p.pass_id)
+        if not 0 <= p.layer_start < p.layer_stop <= num_layers:
+            return f"pass {p.pass_id}: bad layer range [{p.layer_start}, {p.layer_stop})"
+        if not p.members:
+            return f"pass {p.pass_id} has no members"
+        for m in p.members:
+            if m.slot in seen:
+                return f"slot {m.slot} planned twice ({seen[m.slot]} and {m.request_id})"
+            seen[m.slot] = m.request_id
+            if not m.ids:
+                return f"pass {p.pass_id}: member {m.request_id} has no rows"
+    return ""
+
+
+def validate_step_result(plan: StepPlan, result: StepResult, num_layers: int) -> str:
+    """Check a result against its plan; returns a description of the first violation, or ''."""
+    if result.step_id != plan.step_id:
+        return f"result for step {result.step_id} answers plan {plan.step_id}"
+    if result.status is StepStatus.FAILED:
+        return "" if result.tokens == () else "a failed step must not report tokens"
+    expected: dict[int, str] = {row.slot: row.request_id for row in plan.decodes}
+    for p in plan.passes:
+        if p.layer_stop == num_layers:
+            expected.update({m.slot: m.request_id for m in p.members if m.sample})
+    got: dict[int, str] = {}
+    for tok in result.tokens:
+        if tok.slot in got:
+            return f"duplicate row: slot {tok.slot} ({tok.request_id}) reported twice"
+        if tok.slot not in expected:
+            return f"token for unplanned slot {tok.slot} ({tok.request_id})"
+        if expected[tok.slot] != tok.request_id:
+            return f"slot {tok.slot}: token for {tok.request_id}, planned {expected[tok.slot]}"
+        if tok.status is RowStatus.OK and tok.token < 0:
+            return f"slot {tok.slot}: invalid token id {tok.token}"
+        got[tok.slot] = tok.request_id
+    missing = [f"{rid} (slot {s})" for s, rid in expected.items() if s not in got]
+    if missing:
+        return f"planned rows without a token: {', '.join(missing)}"
+    planned_passes = {p.pass_id: p for p in plan.passes}
+    reported = set()
+    for prog in result.passes:
+        p = planned_passes.get(prog.pass_id)
+        if p is None:
+            return f"progress for unplanned pass {prog.pass_id}"
+        if prog.pass_id in reported:
+            return f"pass {prog.pass_id} reported twice"
+        reported.add(prog.pass_id)
+        if prog.layer_cursor != p.layer_stop or prog.done != (p.layer_stop == num_layers):
+            return (f"pass {prog.pass_id}: cursor {prog.layer_cursor} done={prog.done}, planned stop "
+                    f"{p.layer_stop} of {num_layers}")
+    if reported != set(planned_passes):
+        return f"passes without progress: {sorted(set(planned_passes) - reported)}"
+    return ""

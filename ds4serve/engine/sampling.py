@@ -1,0 +1,200 @@
+"""Sampling with per-request state, batched over the rows of one step.
+
+Every request carries a ``SamplerState``: its parameters, the token history penalties look at,
+and its own RNG (seeded from the request's seed), so a request's seed decides only its own tokens,
+whatever else is in the batch. Greedy rows take the argmax. Random rows draw exactly one vector of
+exponential noise per token from their own generator (the "exponential race", equivalent to a
+categorical draw), so their token stream does not depend on the batch either.
+
+Order of processing (as vLLM): penalties on raw logits -> suppress EOS/stop ids under
+``min_tokens`` -> temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the
+raw model distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters (user input)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's logprob plus the top n
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise SamplingError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class SamplerState:
+    """Per-request sampling state; the engine reads it and advances ``generator`` only."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: list[int]  # shared with the request: the scheduler appends accepted tokens
+    eos_ids: tuple[int, ...] = ()
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    def rng(self, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+        return self.generator
+
+    def banned_ids(self) -> tuple[int, ...]:
+        """Ids that may not be sampled yet (EOS and stop ids before ``min_tokens``)."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return ()
+        return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else tuple(self.eos_ids))
+
+
+@dataclass(frozen=True)
+class Draw:
+    token: int
+    ok: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: str | None = None
+
+
+def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Draw]:
+    """Sample one token per row of ``logits [N, V]`` (fp32) with each row's own state."""
+    n, vocab = logits.shape
+    if n == 0:
+        return []
+    finite = torch.isfinite(logits).all(dim=-1)
+    logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros_like(logits))
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in states) else None
+    work = _apply_penalties(logits, states)
+    work = _ban(work, states)
+    tokens = torch.argmax(work, dim=-1)
+    random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(work.index_select(0, idx), [states[i].params for i in random_rows])
+        drawn = torch.stack([_race(probs[j], states[i].rng(logits.device)) for j, i in enumerate(random_rows)])
+        tokens = tokens.index_copy(0, idx, drawn)
+    return _collect(tokens, finite, raw_logprobs, states)
+
+
+def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    rows = [i for i, s in enumerate(states) if s.params.penalised]
+    if not rows:
+        return logits
+    n, vocab = logits.shape
+    out = logits.clone()
+    dev = logits.device
+    for i in rows:  # per request, not per layer: penalties need each request's own history
+        p = states[i].params
+        hist = torch.tensor(list(states[i].output_ids), dtype=torch.long, device=dev)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(list(states[i].prompt_ids) + list(states[i].output_ids), dtype=torch.long, device=dev)
+            seen = seen[(seen >= 0) & (seen < vocab)]
+            vals = out[i].index_select(0, seen)
+            vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            out[i].index_copy_(0, seen, vals)
+        if hist.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(hist[(hist >= 0) & (hist < vocab)], minlength=vocab).to(out.dtype)
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def _ban(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    banned = [(i, b) for i, s in enumerate(states) for b in s.banned_ids() if 0 <= b < logits.shape[1]]
+    if not banned:
+        return logits
+    out = logits.clone()
+    rows = torch.tensor([i for i, _ in banned], device=logits.device)
+    cols = torch.tensor([b for _, b in banned], device=logits.device)
+    out[rows, cols] = float("-inf")
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(-1)
+    scaled = logits / temp
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(-1)
+    drop = ranks >= top_k
+    probs_sorted = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(-1)
+    before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted  # mass strictly above each token
+    drop |= before >= top_p  # keep the smallest prefix whose mass reaches top_p (always the top token)
+    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(-1)
+    drop |= probs_sorted < min_p * probs_sorted[:, :1]
+    drop[:, 0] = False
+    kept = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    return torch.zeros_like(kept).scatter_(1, order, kept)
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """argmax(p / E) with E ~ Exp(1) is a draw from p (one noise vector per token, per request)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.argmax(probs / noise)
+
+
+def _collect(tokens, finite, raw_logprobs, states) -> list[Draw]:
+    tokens_l = tokens.tolist()
+    finite_l = finite.tolist()
+    lp = top = None
+    if raw_logprobs is not None:
+        lp = raw_logprobs.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        k = max((s.params.logprobs or 0) for s in states)
+        if k:
+            tv, ti = torch.topk(raw_logprobs, k, dim=-1)
+            top = (tv.tolist(), ti.tolist())
+    out = []
+    for i, s in enumerate(states):
+        if not finite_l[i]:
+            out.append(Draw(token=-1, ok=False, error="the model produced non-finite logits for this request"))
+            continue
+        n_top = s.params.logprobs
+        if n_top is None or lp is None:
+            out.append(Draw(token=tokens_l[i], ok=True))
+            continue
+        tops = tuple(zip(top[1][i][:n_top], top[0][i][:n_top])) if (top and n_top) else ()
+        out.append(Draw(token=tokens_l[i], ok=True, logprob=lp[i], top_logprobs=tops))
+    return out

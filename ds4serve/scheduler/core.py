@@ -1,0 +1,218 @@
+"""EngineCore: scheduler + engine + cache, stepped by one thread.
+
+``step()`` is one iteration: schedule a plan, check it, execute it, check the result against the
+plan, fold it back. Used synchronously by ``LLM.generate`` and from the engine-loop thread by
+``AsyncEngine``: the same code either way. Start-up resolves every setting against the model and
+the device, allocates all fixed memory, logs what went where, and runs a warm-up through every path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import StateLayout
+from ..cache.manager import CacheManager
+from ..config import ConfigError, EngineSettings, ModelConfig, parse_budget
+from ..engine.executor import Engine
+from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_plan, validate_step_result
+from ..engine.sampling import SamplerState, SamplingParams
+from ..model import DS4ForCausalLM
+from .request import Request, RequestOutput
+from .scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger(__name__)
+
+
+class FatalStepError(RuntimeError):
+    """The engine broke the step contract; the core refuses further work (state may be corrupt)."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    max_seqs: int
+    max_model_len: int
+    n_pages: int
+    host_budget: int
+    staging_rows: int
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def resolve(cfg: ModelConfig, s: EngineSettings, layout: StateLayout, device: torch.device) -> Resolved:
+    """Concrete sizes from settings; defaults derive from the model and the device's free memory."""
+    max_len = min(s.max_model_len or 8192, cfg.max_position_embeddings)
+    per_seq_pages = layout.pages_for(max_len)
+    budget = parse_budget(s.kv_budget)
+    if budget is None:
+        affordable = int(0.3 * available_memory(device)) // layout.bytes_per_page()
+        n_pages = max(per_seq_pages, min(per_seq_pages * s.max_seqs, affordable))
+    elif budget[0] == "tokens":
+        n_pages = layout.pages_for(budget[1])
+    else:
+        n_pages = budget[1] // layout.bytes_per_page()
+    if n_pages < 1:
+        raise ConfigError(f"kv_budget {s.kv_budget!r} is smaller than one page ({layout.bytes_per_page()} B)")
+    host = parse_budget(s.host_budget)
+    if host is None:
+        host_bytes = min(2**30, available_memory(torch.device("cpu")) // 10)
+    elif host[0] == "bytes":
+        host_bytes = host[1]
+    else:
+        host_bytes = int(host[1] * layout.bytes_per_token()) + layout.bytes_per_slot()
+    return Resolved(max_seqs=s.max_seqs, max_model_len=max_len, n_pages=n_pages, host_budget=host_bytes,
+                    staging_rows=s.max_prefill_tokens)
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, eos_ids=None,
+                 engine_factory=None):
+        """``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes)."""
+        self.cfg = cfg
+        self.settings = settings or EngineSettings()
+        self.device = torch.device(device)
+        layout = StateLayout.build(cfg, dtype, self.settings.page_tokens)
+        self.resolved = r = resolve(cfg, self.settings, layout, self.device)
+        self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows)
+        self.engine = (engine_factory or Engine)(cfg, model, self.cache)
+        self.limits = SchedulerLimits(
+            num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=self.settings.step_tokens,
+            max_prefill_tokens=self.settings.max_prefill_tokens, min_prefill_tokens=self.settings.min_prefill_tokens,
+            prefill_mode=self.settings.prefill_mode, max_queue=self.settings.max_queue)
+        self.scheduler = Scheduler(self.limits, self.cache)
+        self.eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.broken: str | None = None
+        self._ids = itertools.count(1)
+        self.step_times: list[float] = []
+        log.info("engine: %s; %d slots, %d pages (%d tokens of compressed state), max_model_len %d, step budget "
+                 "%d tokens x %d layers, prefill chunk <= %d, mode %s",
+                 layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
+                 self.settings.step_tokens, cfg.num_layers, self.settings.max_prefill_tokens,
+                 self.settings.prefill_mode)
+        if self.settings.warmup:
+            self.warmup()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_request(self, prompt_ids, params: SamplingParams, request_id: str | None = None,
+                     images=None) -> Request:
+        return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids),
+                       params=params, eos_ids=self.eos_ids, images=images)
+
+    def add(self, req: Request) -> None:
+        if self.broken:
+            raise FatalStepError(self.broken)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """Cancel a request now: its slot, pages, snapshot and pass staging are free on return."""
+        found = self.scheduler.abort(request_id, reason)
+        self._forget_cancelled_passes()
+        return found
+
+    def _forget_cancelled_passes(self) -> None:
+        for pid in self.scheduler.cancelled_passes:
+            self.engine.cancel_pass(pid)
+        self.scheduler.cancelled_passes.clear()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.broken:
+            raise FatalStepError(self.broken)
+        self._forget_cancelled_passes()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return self.scheduler.take_outputs()
+        problem = validate_plan(plan, self.cfg.num_layers)
+        if problem:
+            self._break(f"scheduler produced an invalid plan: {problem}")
+        result = self.engine.step(plan)
+        problem = validate_step_result(plan, result, self.cfg.num_layers)
+        if problem:
+            self._break(f"step {plan.step_id}: result does not match its plan: {problem}")
+        self.step_times.append(result.elapsed_s)
+        outs = self.scheduler.apply(plan, result)
+        self._forget_cancelled_passes()
+        return outs
+
+    def _break(self, why: str) -> None:
+        log.critical("fatal step error: %s", why)
+        self.broken = why
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid, reason=f"engine stopped after a fatal step error: {why}")
+        raise FatalStepError(why)
+
+    def run_until_idle(self, max_steps: int = 10**9) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for _ in range(max_steps):
+            if not self.has_work:
+                break
+            outs.extend(self.step())
+        outs.extend(self.scheduler.take_outputs())
+        return outs
+
+    def leaks(self) -> str:
+        """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""
+        problems = [self.cache.leaks(self.scheduler.live_slots())]
+        live_passes = {r.pass_id for r in self.scheduler.running if r.pass_id is not None}
+        if self.engine.active_passes - live_passes:
+            problems.append(f"engine passes without requests: {sorted(self.engine.active_passes - live_passes)}")
+        live_snaps = sum(r.snapshot.nbytes for r in self.scheduler.parked if r.snapshot is not None)
+        if self.cache.host_used != live_snaps:
+            problems.append(f"host budget in use {self.cache.host_used} B, snapshots hold {live_snaps} B")
+        return "; ".join(p for p in problems if p)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Drive every engine path once on a scratch slot: a layer-sliced pass through staging, a merged
+        decode + chunk forward, greedy / random / logprob sampling, suspend and restore."""
+        t0 = time.perf_counter()
+        L = self.cfg.num_layers
+        n = min(8, self.resolved.staging_rows)
+        slot = self.cache.alloc_slot()
+        ids = tuple(int(i) % self.cfg.vocab_size for i in range(3, 3 + n))
+        greedy = SamplerState(SamplingParams(temperature=0.0, logprobs=2), ids, [])
+        rand = SamplerState(SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=0), ids, [])
+        try:
+            if not self.cache.reserve({slot: n + 2}):
+                raise RuntimeError("warm-up: the page pool cannot hold one short sequence")
+            mid = max(1, L // 2)
+            member = PassMember("warmup", slot, 0, ids, sample=True, sampler=greedy)
+            plans = [StepPlan(-1, (), (PassSlice(-1, 0, mid, (member,)),))]
+            if mid < L:
+                plans.append(StepPlan(-2, (), (PassSlice(-1, mid, L, (member,)),)))
+            for plan in plans:
+                res = self.engine.step(plan)
+                if validate_step_result(plan, res, L):
+                    raise RuntimeError(f"warm-up failed: {res.error or validate_step_result(plan, res, L)}")
+            snap = self.cache.suspend(slot, n)
+            if snap is not None:
+                slot = self.cache.restore(snap)
+                if slot is None or not self.cache.reserve({slot: n + 2}):
+                    raise RuntimeError("warm-up: restore after suspend failed")
+            plan = StepPlan(-3, (DecodeRow("warmup", slot, n, 1, rand),))
+            res = self.engine.step(plan)
+            if validate_step_result(plan, res, L):
+                raise RuntimeError(f"warm-up failed: {res.error or validate_step_result(plan, res, L)}")
+        finally:
+            self.cache.drop(slot)
+        leak = self.leaks()
+        if leak:
+            raise RuntimeError(f"warm-up leaked: {leak}")
+        log.info("warm-up: sliced pass, merged step, sampling, suspend/restore ok in %.2f s", time.perf_counter() - t0)

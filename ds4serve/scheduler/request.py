@@ -1,0 +1,95 @@
+"""One request's state: a status enum that only the scheduler changes, and what is derived from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ..engine.sampling import SamplerState, SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"  # queued; holds no slot or pages
+    PREFILLING = "prefilling"  # holds a slot; more than one input token still to feed
+    DECODING = "decoding"  # holds a slot; feeds its last sampled token each step
+    SUSPENDED = "suspended"  # state copied to host memory; no slot or pages
+    PARKED = "parked"  # state dropped; will be recomputed from its retained input
+    FINISHED_STOP = "finished_stop"  # EOS or a stop token id
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the context limit
+    FINISHED_ABORT = "finished_abort"  # cancelled by the client (or timed out)
+    FINISHED_ERROR = "finished_error"  # failed alone; ``error`` says why
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def holds_slot(self) -> bool:
+        return self in (RequestStatus.PREFILLING, RequestStatus.DECODING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOP: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORT: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (streamed to its caller)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None  # per new token
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | error
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: tuple[int, ...] = ()
+    arrival: float = field(default_factory=time.monotonic)
+    images: Any = None  # image records (DS4V); a request with images is recomputable only if they are retained
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    slot: int | None = None
+    computed: int = 0  # input positions whose state is in the cache
+    pass_id: int | None = None  # the multi-step pass this request is in
+    snapshot: Any = None  # HostSnapshot while SUSPENDED
+    error: str | None = None
+    preemptions: int = 0
+    first_token_at: float | None = None
+    sampler: SamplerState = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        self.sampler = SamplerState(self.params, self.prompt_ids, self.output_ids, self.eos_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Input tokens not yet in the cache (1 for a decoder: its last sampled token)."""
+        return self.total_len - self.computed
+
+    def input_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        n_prompt = len(self.prompt_ids)
+        if stop <= n_prompt:
+            return tuple(self.prompt_ids[start:stop])
+        return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[max(0, start - n_prompt):stop - n_prompt])
+
+    @property
+    def recomputable(self) -> bool:
+        """Its whole input is retained (ids, and image rows or pixels if it has images)."""
+        return self.images is None or getattr(self.images, "retained", False)

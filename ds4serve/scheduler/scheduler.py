@@ -1,0 +1,360 @@
+"""Policy: admission, queueing, chunk planning, passes, preemption and fairness.
+
+Each iteration ``schedule()`` builds one ``StepPlan`` in phases (each one helper):
+
+1. resume parked/suspended requests, oldest first, then admit waiting ones (FIFO) while a slot and
+   pages are free;
+2. plan every decoder exactly once, reserving its page growth; when pages are short, escalate on
+   the newest running request: suspend it to host memory, else drop it for recompute (only if its
+   whole input is retained), else fail it alone with a clear error;
+3. spend what is left of the step budget (row-layers) on prefill: passes in flight advance by
+   layer slices, new text prefill advances by token chunks (or starts a layer-sliced pass); with no
+   decoder live a prefill runs whole.
+
+``apply(result)`` folds a step's result back into request state and returns the outputs to stream.
+Only this class changes a request's status.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache.manager import CacheManager
+from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
+from .request import Request, RequestOutput, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry later (HTTP 503)."""
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit this engine (HTTP 400); the message says by how much."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    num_layers: int
+    max_model_len: int
+    step_tokens: int
+    max_prefill_tokens: int
+    min_prefill_tokens: int
+    prefill_mode: str
+    max_queue: int
+
+
+@dataclass
+class _Pass:
+    pass_id: int
+    requests: list[Request]
+    members: tuple[PassMember, ...]
+    cursor: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(len(m.ids) for m in self.members)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, cache: CacheManager):
+        self.limits = limits
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # hold a slot, in arrival order
+        self.parked: list[Request] = []  # SUSPENDED or PARKED, in arrival order
+        self.requests: dict[str, Request] = {}
+        self._passes: dict[int, _Pass] = {}
+        self._pass_ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._outputs: list[RequestOutput] = []
+        self.cancelled_passes: list[int] = []  # passes the engine must forget (drained by the loop)
+        self.stats = {"preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
+                      "resumed": 0, "completed": 0, "aborted": 0, "failed": 0}
+
+    # ---- intake --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.check_fits(len(req.prompt_ids), req.params.max_tokens)
+        if len(self.waiting) >= self.limits.max_queue:
+            self.stats["rejected"] += 1
+            raise QueueFull(f"the queue is full ({self.limits.max_queue} waiting requests)")
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        total = prompt_tokens + max_tokens
+        if total > self.limits.max_model_len:
+            self.stats["rejected"] += 1
+            raise RequestTooLarge(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
+                f"limit of {self.limits.max_model_len} tokens; shorten the prompt or lower max_tokens")
+        pages = self.cache.layout.pages_for(total)
+        if pages > self.cache.state.n_pages:
+            self.stats["rejected"] += 1
+            raise RequestTooLarge(
+                f"the request needs {pages} cache pages but the whole pool has {self.cache.state.n_pages}; "
+                f"lower max_tokens or the prompt length")
+
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """Cancel a request at any point; its slot, pages, snapshot or pass are freed now."""
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return False
+        status = RequestStatus.FINISHED_ABORT if reason is None else RequestStatus.FINISHED_ERROR
+        self._finish(req, status, error=reason)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    # ---- planning ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        self._resume_parked()
+        self._admit_waiting()
+        decodes = self._plan_decodes()
+        passes = self._plan_prefill(n_decoders=len(decodes))
+        plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes))
+        return None if plan.is_empty else plan
+
+    def _resume_parked(self) -> None:
+        for req in list(self.parked):
+            if self.waiting and self.waiting[0].arrival < req.arrival:
+                break
+            if not self._resume(req):
+                break
+
+    def _resume(self, req: Request) -> bool:
+        if req.status is RequestStatus.SUSPENDED:
+            if self.cache.free_pages < req.snapshot.n_pages + max(1, self.cache.state.n_pages // 100):
+                return False
+            slot = self.cache.restore(req.snapshot)
+            if slot is None:
+                return False
+            req.snapshot = None
+        else:
+            if not self._has_room_for(req):
+                return False
+            slot = self.cache.alloc_slot()
+        req.slot = slot
+        self.parked.remove(req)
+        self._enter_running(req)
+        self.stats["resumed"] += 1
+        return True
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and not self.parked and self._has_room_for(self.waiting[0]):
+            req = self.waiting.popleft()
+            req.slot = self.cache.alloc_slot()
+            self._enter_running(req)
+
+    def _has_room_for(self, req: Request) -> bool:
+        """A slot, and pages for its first chunk plus a small watermark (1% of the pool, at least one
+        page). Admission is optimistic like vLLM's: growth beyond that is handled by preemption."""
+        if self.cache.free_slots == 0:
+            return False
+        first = min(req.pending, self.limits.max_prefill_tokens) + req.computed
+        watermark = max(1, self.cache.state.n_pages // 100)
+        return self.cache.layout.pages_for(first) + watermark <= self.cache.free_pages
+
+    def _enter_running(self, req: Request) -> None:
+        req.status = RequestStatus.DECODING if req.pending == 1 else RequestStatus.PREFILLING
+        self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival)
+
+    def _plan_decodes(self) -> list[DecodeRow]:
+        while True:
+            decoders = [r for r in self.running if r.status is RequestStatus.DECODING]
+            growth = {r.slot: r.computed + 1 for r in decoders}
+            if self.cache.reserve(growth):
+                break
+            if not self._preempt_newest():
+                break
+        return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
+                          r.sampler) for r in decoders]
+
+    def _preempt_newest(self) -> bool:
+        """Free the newest running request's slot and pages (suspend > drop > fail)."""
+        victims = [r for r in self.running if r.pass_id is None]
+        if not victims:
+            return False
+        victim = victims[-1]
+        self.running.remove(victim)
+        victim.preemptions += 1
+        snap = self.cache.suspend(victim.slot, victim.computed)
+        if snap is not None:
+            victim.snapshot, victim.status = snap, RequestStatus.SUSPENDED
+            self.stats["preempt_suspend"] += 1
+        elif victim.recomputable:
+            self.cache.drop(victim.slot)
+            victim.computed, victim.status = 0, RequestStatus.PARKED
+            self.stats["preempt_drop"] += 1
+        else:
+            self.running.append(victim)  # _finish frees it
+            self.stats["preempt_fail"] += 1
+            self._finish(victim, RequestStatus.FINISHED_ERROR,
+                         error="out of cache memory: this request holds image rows that are not retained, so it "
+                               "can neither be suspended (host budget full) nor recomputed")
+            return True
+        log.info("preempted %s (%s) to free pages", victim.request_id, victim.status.value)
+        victim.slot = None
+        self.parked.append(victim)
+        self.parked.sort(key=lambda r: r.arrival)
+        return True
+
+    def _plan_prefill(self, n_decoders: int) -> list[PassSlice]:
+        L = self.limits.num_layers
+        idle = n_decoders == 0
+        budget = max(0, (self.limits.step_tokens - n_decoders) * L)
+        floor = self.limits.min_prefill_tokens * L  # progress guaranteed even under a full decode budget
+        slices = []
+        for p in sorted(self._passes.values(), key=lambda p: p.requests[0].arrival):
+            layers = L - p.cursor if idle else max(1, min(L - p.cursor, max(budget, floor) // p.rows))
+            slices.append(PassSlice(p.pass_id, p.cursor, p.cursor + layers, p.members))
+            budget -= p.rows * layers
+            floor = 0
+        tokens_left = self.limits.max_prefill_tokens if idle else max(budget, floor) // L
+        by_layers = self.limits.prefill_mode == "layers" and not idle
+        for req in [r for r in self.running if r.status is RequestStatus.PREFILLING and r.pass_id is None]:
+            if tokens_left <= 0 or (by_layers and max(budget, floor) <= 0):
+                break
+            # token chunking: as many tokens as the budget holds, all layers now; layer slicing: one
+            # whole chunk as a pass, as many layers as the budget holds (the rest in later steps)
+            n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
+                    else tokens_left)
+            if not self.cache.reserve({req.slot: req.computed + n}):
+                break
+            member = PassMember(req.request_id, req.slot, req.computed, req.input_ids(req.computed, req.computed + n),
+                                sample=n == req.pending, sampler=req.sampler)
+            layers = max(1, min(L, max(budget, floor) // n)) if by_layers else L
+            slices.append(self._new_pass([req], (member,), layers))
+            tokens_left -= n
+            budget -= n * layers
+            floor = 0
+        return slices
+
+    def _new_pass(self, reqs: list[Request], members: tuple[PassMember, ...], layers: int) -> PassSlice:
+        pid = next(self._pass_ids)
+        if layers < self.limits.num_layers:
+            self._passes[pid] = _Pass(pid, reqs, members)
+            for r in reqs:
+                r.pass_id = pid
+        return PassSlice(pid, 0, layers, members)
+
+    # ---- applying results ------------------------------------------------------------------------
+    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        if result.status is StepStatus.FAILED:
+            for rid in {d.request_id for d in plan.decodes} | {m.request_id for p in plan.passes for m in p.members}:
+                req = self.requests.get(rid)
+                if req is not None and not req.status.finished:
+                    self._finish(req, RequestStatus.FINISHED_ERROR, error=f"internal error in step: {result.error}")
+            return self.take_outputs()
+        for d in plan.decodes:
+            self.requests[d.request_id].computed += 1
+        for p in plan.passes:
+            self._advance_pass(p)
+        for tok in result.tokens:
+            req = self.requests[tok.request_id]
+            if tok.status is RowStatus.FAILED:
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
+            else:
+                self._accept(req, tok)
+        return self.take_outputs()
+
+    def _advance_pass(self, p: PassSlice) -> None:
+        done = p.layer_stop == self.limits.num_layers
+        state = self._passes.get(p.pass_id)
+        if state is not None:
+            state.cursor = p.layer_stop
+        if not done:
+            return
+        self._passes.pop(p.pass_id, None)
+        for m in p.members:
+            req = self.requests[m.request_id]
+            req.pass_id = None
+            req.computed += len(m.ids)
+            if not req.status.finished and req.pending == 1 and not m.sample:
+                req.status = RequestStatus.DECODING
+
+    def _accept(self, req: Request, tok) -> None:
+        if req.status.finished:
+            return
+        req.output_ids.append(tok.token)
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        lp = (tok.logprob, tok.top_logprobs or ()) if tok.logprob is not None else None
+        req.output_logprobs.append(lp)
+        p = req.params
+        n_out = len(req.output_ids)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_ids))
+        if tok.token in stop_ids and n_out >= p.min_tokens:
+            self._finish(req, RequestStatus.FINISHED_STOP, new=(tok.token, lp))
+        elif n_out >= p.max_tokens or req.total_len >= self.limits.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH, new=(tok.token, lp))
+        else:
+            req.status = RequestStatus.DECODING
+            self._emit(req, (tok.token,), (lp,) if lp else None)
+
+    def _emit(self, req: Request, tokens: tuple[int, ...], logprobs) -> None:
+        self._outputs.append(RequestOutput(
+            request_id=req.request_id, new_token_ids=tokens, logprobs=logprobs, finished=req.status.finished,
+            finish_reason=req.status.finish_reason, error=req.error, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids)))
+
+    def _finish(self, req: Request, status: RequestStatus, error: str | None = None, new=None) -> None:
+        """End a request and free everything it holds (slot, pages, snapshot, pass)."""
+        if req in self.running:
+            self.running.remove(req)
+            if req.pass_id is not None:
+                self._leave_pass(req)
+            self.cache.drop(req.slot)
+            req.slot = None
+        elif req in self.parked:
+            self.parked.remove(req)
+            if req.snapshot is not None:
+                self.cache.release_snapshot(req.snapshot)
+                req.snapshot = None
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status, req.error = status, error
+        key = {RequestStatus.FINISHED_ABORT: "aborted", RequestStatus.FINISHED_ERROR: "failed"}.get(status, "completed")
+        self.stats[key] += 1
+        if new is None:
+            self._emit(req, (), None)
+        else:
+            self._emit(req, (new[0],), (new[1],) if new[1] else None)
+        self.requests.pop(req.request_id, None)
+
+    def _leave_pass(self, req: Request) -> None:
+        """A member ended mid-pass. The others continue the same pass (rows of different sequences are
+        independent; restarting them would read sliding rings the partial pass already overwrote)."""
+        p = self._passes.get(req.pass_id)
+        req.pass_id = None
+        if p is None:
+            return
+        p.requests.remove(req)
+        p.members = tuple(m for m in p.members if m.request_id != req.request_id)
+        if not p.members:
+            del self._passes[p.pass_id]
+            self.cancelled_passes.append(p.pass_id)
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        by = {s: 0 for s in RequestStatus if not s.finished}
+        for r in self.running + self.parked + list(self.waiting):
+            by[r.status] += 1
+        return {s.value: n for s, n in by.items()} | {"passes": len(self._passes)}
+
+    def live_slots(self) -> set[int]:
+        return {r.slot for r in self.running}
