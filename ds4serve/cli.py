@@ -48,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print the model config and per-sequence state sizes")
     _add_model_args(info)
+
+    bench = sub.add_parser("bench", help="benchmarks (not tests): measured figures and ratios")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    eng = bsub.add_parser("engine", help="decode tok/s at several stream counts vs transformers' generate")
+    eng.add_argument("--streams", default="1,4,16,32", help="comma-separated concurrency levels")
+    eng.add_argument("--prompt-len", type=int, default=128)
+    eng.add_argument("--new-tokens", type=int, default=64)
+    eng.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    eng.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return parser
 
 
@@ -60,7 +70,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "info":
         return _info(args)
+    if args.command == "bench":
+        return _bench(args)
     return _generate(args)
+
+
+def _bench(args) -> int:
+    if args.bench_command == "engine":
+        from .bench.engine_bench import run
+
+        streams = [int(x) for x in args.streams.split(",") if x.strip()]
+        run(streams, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+            compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads)
+        return 0
+    raise SystemExit(f"unknown bench {args.bench_command}")
 
 
 def _info(args) -> int:

@@ -65,6 +65,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+# Below this many FLOPs the experts run densely (every expert on every token, two GEMMs) instead of
+# grouped: for small decode batches of small models one big GEMM beats many tiny ones.
+DENSE_FLOP_LIMIT = 32e6
+
+
 def run_experts(
     x: torch.Tensor,
     idx: torch.Tensor,
@@ -74,6 +79,25 @@ def run_experts(
     limit: float,
 ) -> torch.Tensor:
     """Routed experts for ``x [T, D]``: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (HF layout)."""
+    n_exp, two_i, d = gate_up.shape
+    if x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT:
+        return _dense_experts(x, idx, weights, gate_up, down, limit)
+    return _grouped_experts(x, idx, weights, gate_up, down, limit)
+
+
+def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
+    n_tok = x.shape[0]
+    n_exp, two_i, _ = gate_up.shape
+    h = F.linear(x, gate_up.reshape(n_exp * two_i, -1)).view(n_tok, n_exp, two_i)
+    g, u = h.chunk(2, dim=-1)
+    act = swiglu(g, u, limit).transpose(0, 1)  # [E, T, I]
+    y = torch.bmm(act, down.transpose(1, 2))  # [E, T, D]
+    dense_w = torch.zeros(n_tok, n_exp, dtype=y.dtype, device=x.device).scatter_(1, idx, weights.to(y.dtype))
+    return torch.einsum("te,etd->td", dense_w, y)
+
+
+@torch.compiler.disable
+def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     n_tok, top_k = idx.shape
     n_exp = gate_up.shape[0]
     flat = idx.reshape(-1)

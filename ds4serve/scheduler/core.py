@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,17 @@ log = logging.getLogger(__name__)
 
 class FatalStepError(RuntimeError):
     """The engine broke the step contract; the core refuses further work (state may be corrupt)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did and how long it took (for metrics and benchmarks)."""
+
+    step_id: int
+    decode_rows: int
+    prefill_rows: int  # rows of pass slices (each counted once per slice)
+    layers_run: int  # row-layers executed
+    elapsed_s: float
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,7 @@ class EngineCore:
         self.eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.broken: str | None = None
         self._ids = itertools.count(1)
-        self.step_times: list[float] = []
+        self.history: deque[StepRecord] = deque(maxlen=4096)
         log.info("engine: %s; %d slots, %d pages (%d tokens of compressed state), max_model_len %d, step budget "
                  "%d tokens x %d layers, prefill chunk <= %d, mode %s",
                  layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
@@ -146,7 +158,8 @@ class EngineCore:
         problem = validate_step_result(plan, result, self.cfg.num_layers)
         if problem:
             self._break(f"step {plan.step_id}: result does not match its plan: {problem}")
-        self.step_times.append(result.elapsed_s)
+        self.history.append(StepRecord(plan.step_id, len(plan.decodes), sum(p.rows for p in plan.passes),
+                                       plan.row_layers(self.cfg.num_layers), result.elapsed_s))
         outs = self.scheduler.apply(plan, result)
         self._forget_cancelled_passes()
         return outs

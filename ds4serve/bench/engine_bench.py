@@ -1,0 +1,157 @@
+"""``ds4serve bench engine``: decode throughput at several concurrency levels, side by side with
+transformers' batched ``generate`` on the same weights (spec Appendix A config, random weights).
+
+A benchmark, not a test: it prints figures and ratios measured in one run on this machine. Decode
+throughput counts only steps where every stream decodes (prefill excluded) for ds4serve, and
+``total - prefill`` for transformers (its prefill timed separately with ``max_new_tokens=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+APPENDIX_A = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "compress_rope_theta": 160000.0, "eos_token_id": None, "hc_eps": 1e-06, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "head_dim": 64, "hidden_act": "silu", "hidden_size": 256,
+    "index_head_dim": 32, "index_n_heads": 16, "index_topk": 8, "initializer_range": 0.02,
+    "layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    "max_position_embeddings": 2048, "mlp_bias": False,
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe", "moe", "moe"], "model_type": "deepseek_v4",
+    "moe_intermediate_size": 128, "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 6, "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1, "o_groups": 2, "o_lora_rank": 64, "pad_token_id": 0,
+    "partial_rotary_factor": 0.25, "q_lora_rank": 128, "qk_rope_head_dim": 16, "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "compress": {"attention_factor": 1.0, "beta_fast": 32, "beta_slow": 1, "factor": 4.0,
+                     "original_max_position_embeddings": 512, "partial_rotary_factor": 0.25,
+                     "rope_theta": 160000.0, "rope_type": "yarn"},
+        "main": {"partial_rotary_factor": 0.25, "rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "rope_theta": 10000.0, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 32,
+    "swiglu_limit": 10.0, "tie_word_embeddings": False, "vocab_size": 1000,
+}
+
+
+@dataclass
+class Row:
+    streams: int
+    ours_tok_s: float
+    ours_step_ms: float
+    hf_tok_s: float | None
+    hf_step_ms: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.ours_tok_s / self.hf_tok_s if self.hf_tok_s else None
+
+
+def make_checkpoint(root: Path) -> Path:
+    """Appendix A with random weights, written by transformers (the same init the spec measured)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(dict(APPENDIX_A)))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(buf.shape[0])]))
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def bench_ours(path: Path, streams: list[int], prompt_len: int, new_tokens: int) -> dict[int, tuple[float, float]]:
+    from ..llm import LLM
+    from ..engine.sampling import SamplingParams
+
+    llm = LLM(path, max_seqs=max(streams), max_model_len=prompt_len + new_tokens + 8,
+              max_prefill_tokens=max(1024, prompt_len), step_tokens=max(streams) + 64)
+    core = llm.core
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for n in streams:
+        for _ in range(2):  # first round warms allocator and caches; keep the second
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            for _ in range(n):
+                core.add(core.make_request(torch.randint(2, 1000, (prompt_len,), generator=gen).tolist(), params))
+            core.history.clear()
+            core.run_until_idle()
+            steps = [h for h in core.history if h.prefill_rows == 0 and h.decode_rows == n]
+            if not steps:
+                raise RuntimeError(f"no pure decode steps at {n} streams")
+            total = sum(h.elapsed_s for h in steps)
+            out[n] = (n * len(steps) / total, 1000 * statistics.median(h.elapsed_s for h in steps))
+    return out
+
+
+def bench_hf(path: Path, streams: list[int], prompt_len: int, new_tokens: int) -> dict[int, tuple[float, float]]:
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    out = {}
+    for n in streams:
+        ids = torch.randint(2, 1000, (n, prompt_len), generator=gen)
+        kw = dict(do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            total = time.perf_counter() - t
+        decode = max(total - prefill, 1e-9)
+        out[n] = (n * (new_tokens - 1) / decode, 1000 * decode / (new_tokens - 1))
+    return out
+
+
+def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
+        json_path: str | None = None, threads: int | None = None) -> list[Row]:
+    if threads:
+        torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_checkpoint(Path(tmp))
+        ours = bench_ours(path, streams, prompt_len, new_tokens)
+        hf = bench_hf(path, streams, prompt_len, new_tokens) if compare_hf else {}
+    rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
+    print(render(rows, prompt_len, new_tokens))
+    if json_path:
+        Path(json_path).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
+    return rows
+
+
+def render(rows: list[Row], prompt_len: int, new_tokens: int) -> str:
+    lines = [f"decode throughput, Appendix A config (random weights), fp32, prompt {prompt_len}, "
+             f"{new_tokens} new tokens, {torch.get_num_threads()} threads",
+             "",
+             "| streams | ds4serve tok/s | ds4serve step ms | transformers tok/s | transformers step ms | ratio |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        hf = f"{r.hf_tok_s:.0f} | {r.hf_step_ms:.1f}" if r.hf_tok_s else "- | -"
+        ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
+        lines.append(f"| {r.streams} | {r.ours_tok_s:.0f} | {r.ours_step_ms:.1f} | {hf} | {ratio} |")
+    by = {r.streams: r for r in rows}
+    if 1 in by and 16 in by:
+        lines.append("")
+        lines.append(f"ds4serve step time at 16 rows / 1 row: {by[16].ours_step_ms / by[1].ours_step_ms:.2f} "
+                     "(target <= 2)")
+    if 16 in by and by[16].ratio:
+        lines.append(f"ds4serve at 16 streams vs transformers at batch 16: {by[16].ratio:.2f}x (target >= 5)")
+    return "\n".join(lines)
