@@ -36,7 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    serve.add_argument("--model", type=Path, default=None)
+    serve.add_argument("--model", type=Path, default=None,
+                       help="checkpoint directory (default: the bundled tiny model)")
+    serve.add_argument("--host", default=os.environ.get("DS4SERVE_HOST", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("DS4SERVE_PORT", "8000")))
+    serve.add_argument("--api-key", default=os.environ.get("DS4SERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+    serve.add_argument("--insecure-no-auth", action="store_true",
+                       help="allow binding a non-loopback address without an API key")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
+    serve.add_argument("--device", default=os.environ.get("DS4SERVE_DEVICE", "cpu"))
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--max-seqs", type=int, default=16, help="concurrent sequence slots")
+    serve.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
+    serve.add_argument("--kv-budget", default=None, help="paged state budget: tokens (64k) or bytes (2GiB)")
+    serve.add_argument("--host-budget", default=None, help="host memory for suspended requests (bytes)")
+    serve.add_argument("--step-tokens", type=int, default=256, help="step budget in tokens")
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    serve.add_argument("--max-body-bytes", type=int, default=48 * 2**20)
+    serve.add_argument("--default-max-tokens", type=int, default=1024)
 
     gen = sub.add_parser("generate", help="generate from token-id prompts (batched)")
     _add_model_args(gen)
@@ -65,14 +84,37 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        print("ds4serve: the HTTP server is not yet available in this version "
-              "(use `ds4serve generate` or the Python API `ds4serve.LLM`).", file=sys.stderr)
-        return 2
+        return _serve(args)
     if args.command == "info":
         return _info(args)
     if args.command == "bench":
         return _bench(args)
     return _generate(args)
+
+
+def _serve(args) -> int:
+    from .config import EngineSettings
+    from .server.launch import BindError, build_state, check_binding, run
+    from .server.serving import ServerLimits
+    from .tiny.random_model import default_model
+
+    try:
+        check_binding(args.host, args.api_key, args.insecure_no_auth)
+    except BindError as exc:
+        print(f"ds4serve: {exc}", file=sys.stderr)
+        return 2
+    random_weights = False
+    model = args.model
+    if model is None:
+        model, random_weights = default_model()
+    settings = EngineSettings(max_seqs=args.max_seqs, max_model_len=args.max_model_len, kv_budget=args.kv_budget,
+                              host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue)
+    limits = ServerLimits(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                          default_max_tokens=args.default_max_tokens)
+    state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
+                        api_key=args.api_key, served_name=args.served_model_name, random_weights=random_weights)
+    run(state, args.host, args.port, args.log_level)
+    return 0
 
 
 def _bench(args) -> int:

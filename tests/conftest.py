@@ -48,3 +48,20 @@ def llm_factory(ckpt_factory):
 
 def pytest_collection_modifyitems(config, items):
     assert CONFIGS  # the registry must not be empty
+
+
+@pytest.fixture(scope="session")
+def random_ckpt(tmp_path_factory):
+    """The random placeholder DS4 checkpoint (byte tokenizer), generated into a temp dir."""
+    from ds4serve.tiny.random_model import ensure_random_checkpoint
+
+    return ensure_random_checkpoint(tmp_path_factory.mktemp("random-ckpt"))
+
+
+@pytest.fixture(scope="session")
+def server(random_ckpt):
+    """One shared server for tests that do not change its settings."""
+    from server_harness import serve
+
+    with serve(random_ckpt, settings={"max_seqs": 40, "max_queue": 64}) as srv:
+        yield srv

@@ -44,6 +44,7 @@ class AsyncEngine:
         self._in_flight = 0  # submitted, not yet finished (for queue-bound checks off the loop thread)
         self.fatal: str | None = None
         self.on_step = None  # optional callback(core, outputs, elapsed) from the loop thread (metrics)
+        self.on_change = None  # optional callback(core) after commands changed state (abort, add)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
@@ -52,10 +53,14 @@ class AsyncEngine:
             self._thread.start()
         return self
 
-    def shutdown(self, reason: str = "the server is shutting down") -> None:
-        """Finish every outstanding request with an error, then stop the loop thread."""
+    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Non-blocking: answer every outstanding request with an error and stop after that."""
         self._cmds.put(("shutdown", reason))
         self._wake.set()
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Finish every outstanding request with an error, then stop the loop thread."""
+        self.begin_shutdown(reason)
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._thread = None
@@ -82,33 +87,46 @@ class AsyncEngine:
         if not self.alive:
             raise FatalStepError(self.fatal or "the engine is not running")
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       images=None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and iterate over its outputs; leaving the loop early aborts it."""
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     images=None) -> "RequestStream":
+        """Hand a request to the engine loop and wait until it is accepted (or refused).
+
+        Raises ``RequestTooLarge`` / ``QueueFull`` / ``FatalStepError`` *before* any output, so an
+        HTTP handler can answer 400 / 503 before it opens a stream.
+        """
         self.check(len(prompt_ids), params.max_tokens)
         req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images)
-        waiter = _Waiter(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop, asyncio.Queue())
         with self._lock:
             if request_id in self._waiters:
                 raise ValueError(f"duplicate request id {request_id}")
             self._waiters[request_id] = waiter
             self._in_flight += 1
-        self._cmds.put(("add", req))
+        ack: asyncio.Future = loop.create_future()
+        self._cmds.put(("add", (req, ack)))
         self._wake.set()
-        finished = False
         try:
-            while True:
-                out = await waiter.queue.get()
-                finished = out.finished
+            await ack
+        except BaseException:
+            self._forget(request_id)
+            raise
+        return RequestStream(self, request_id, waiter)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       images=None) -> AsyncIterator[RequestOutput]:
+        """Submit and iterate over the outputs; leaving the loop early aborts the request."""
+        stream = await self.submit(prompt_ids, params, request_id, images)
+        try:
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
-            with self._lock:
-                if self._waiters.pop(request_id, None) is not None:
-                    self._in_flight -= 1
+            await stream.aclose()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            if self._waiters.pop(request_id, None) is not None:
+                self._in_flight -= 1
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -165,16 +183,23 @@ class AsyncEngine:
                 self.on_step(core, outs, time.perf_counter() - t0)
 
     def _drain(self) -> None:
+        changed = False
         while True:
             try:
                 cmd, arg = self._cmds.get_nowait()
             except queue.Empty:
+                if changed and self.on_change is not None:
+                    self.on_change(self.core)
                 return
+            changed = True
             if cmd == "add":
+                req, ack = arg
                 try:
-                    self.core.add(arg)
+                    self.core.add(req)
                 except (QueueFull, RequestTooLarge, ValueError, FatalStepError) as exc:
-                    self._publish([_error_output(arg.request_id, len(arg.prompt_ids), str(exc))])
+                    _resolve(ack, exc)
+                else:
+                    _resolve(ack, None)
             elif cmd == "abort":
                 self.core.abort(arg)
                 self._publish(self.core.scheduler.take_outputs())
@@ -198,7 +223,60 @@ class AsyncEngine:
             with self._lock:
                 w = self._waiters.get(out.request_id)
             if w is not None:
-                w.loop.call_soon_threadsafe(w.queue.put_nowait, out)
+                try:
+                    w.loop.call_soon_threadsafe(w.queue.put_nowait, out)
+                except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                    pass
+
+
+class RequestStream:
+    """Outputs of one accepted request. Closing it (or dropping it) before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, waiter: _Waiter):
+        self.engine, self.request_id, self._waiter = engine, request_id, waiter
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        out = await self._waiter.queue.get()
+        if out.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+        return out
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self.engine.abort(self.request_id)
+            self.engine._forget(self.request_id)
+
+    def __del__(self):  # never consumed (e.g. the client vanished before the stream started)
+        self._close()
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    def set_result():
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    try:
+        fut.get_loop().call_soon_threadsafe(set_result)
+    except RuntimeError:
+        pass
 
 
 def _error_output(request_id: str, prompt_tokens: int, message: str) -> RequestOutput:

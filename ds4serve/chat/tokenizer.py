@@ -1,0 +1,84 @@
+"""The checkpoint's tokenizer (``tokenizer.json``, via the ``tokenizers`` library), safe to share.
+
+Every thread gets its own ``tokenizers.Tokenizer`` built from the same JSON (the Rust object keeps
+per-instance settings such as padding/truncation and ``encode_special_tokens``, so one instance is
+never mutated across threads). User text is encoded with special-token matching *off*: a user
+typing ``<｜User｜>`` gets plain text, never a role switch.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK = "<think>"
+THINK_END = "</think>"
+IMAGE = "<｜deepseek_image｜>"
+SPECIALS = (BOS, EOS, USER, ASSISTANT, THINK, THINK_END, IMAGE)
+
+
+class TokenizerError(RuntimeError):
+    """The tokenizer file is missing or lacks a token the DS4 chat format needs."""
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"no tokenizer.json at {path}")
+        self._json = path.read_text()
+        self._local = threading.local()
+        base = self._tok()
+        self.vocab_size = base.get_vocab_size(with_added_tokens=True)
+        missing = [s for s in (BOS, EOS, USER, ASSISTANT, THINK_END) if base.token_to_id(s) is None]
+        if missing:
+            raise TokenizerError(f"{path} lacks the DS4 special tokens {missing}")
+        self.bos_id = base.token_to_id(BOS)
+        self.eos_id = base.token_to_id(EOS)
+        self.user_id = base.token_to_id(USER)
+        self.assistant_id = base.token_to_id(ASSISTANT)
+        self.think_id = base.token_to_id(THINK)
+        self.think_end_id = base.token_to_id(THINK_END)
+        self.image_id = base.token_to_id(IMAGE)
+        self.special_ids = frozenset(i for i in (base.token_to_id(s) for s in SPECIALS) if i is not None)
+
+    def _tok(self) -> _HFTokenizer:
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            tok = _HFTokenizer.from_str(self._json)
+            tok.encode_special_tokens = True  # user text: specials are plain text
+            self._local.tok = tok
+        return tok
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of untrusted text; special-token strings in it stay plain text."""
+        if not text:
+            return []
+        return self._tok().encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """Readable text of one token (for logprobs); specials by name. A token that is only part of a
+        UTF-8 character is shown as ``bytes:<vocab entry>`` so distinct tokens never share a label."""
+        if not 0 <= token_id < self.vocab_size:
+            return ""
+        text = self._tok().decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            return "bytes:" + (self._tok().id_to_token(token_id) or str(token_id))
+        return text
+
+    @cached_property
+    def placeholder_texts(self) -> tuple[str, ...]:
+        return (IMAGE,)

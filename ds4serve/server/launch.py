@@ -1,0 +1,76 @@
+"""``ds4serve serve``: load the model, start the engine loop, run uvicorn with a graceful shutdown.
+
+Binding policy: loopback by default; any other address needs ``--api-key`` (or an explicit
+``--insecure-no-auth``). On SIGINT/SIGTERM every waiting client is answered (an error saying the
+server is shutting down) before connections close.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from ..chat import Tokenizer
+from ..config import EngineSettings
+from ..model import load_model, parse_dtype
+from ..scheduler.async_engine import AsyncEngine
+from ..scheduler.core import EngineCore
+from .app import ServerState, create_app
+from .serving import ServerLimits
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class BindError(ValueError):
+    pass
+
+
+def check_binding(host: str, api_key: str | None, insecure: bool) -> None:
+    if host not in LOOPBACK and not api_key and not insecure:
+        raise BindError(f"refusing to listen on {host} without authentication: pass --api-key KEY "
+                        "(or --insecure-no-auth if the network is trusted)")
+
+
+def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
+                settings: EngineSettings | None = None, limits: ServerLimits | None = None,
+                api_key: str | None = None, served_name: str | None = None,
+                random_weights: bool = False) -> ServerState:
+    tokenizer = Tokenizer(model_dir)
+    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True)
+    eos = tuple(dict.fromkeys((tokenizer.eos_id, *cfg.eos_token_ids)))
+    core = EngineCore(cfg, model, settings or EngineSettings(), device, parse_dtype(dtype), eos_ids=eos)
+    name = served_name or model_dir.name
+    state = ServerState(engine=AsyncEngine(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
+                        api_key=api_key, random_weights=random_weights)
+    if cfg.vision.enabled:
+        from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415 - only for vision checkpoints
+
+        state.image_pipeline = ImagePipeline.for_engine(core, tokenizer)
+    if random_weights:
+        log.warning("serving %s with RANDOM placeholder weights (answers are noise); the trained tiny DS4V model "
+                    "replaces it once bundled", name)
+    return state
+
+
+class _Server(uvicorn.Server):
+    """Answer every waiting client before uvicorn starts waiting for connections to close."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.ds4 = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.ds4.engine.begin_shutdown("the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def run(state: ServerState, host: str, port: int, log_level: str = "info") -> None:
+    app = create_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=10,
+                            access_log=False)
+    log.info("serving %s on http://%s:%d (OpenAI API under /v1)", state.model_id, host, port)
+    _Server(config, state).run()

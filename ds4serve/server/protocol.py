@@ -1,0 +1,159 @@
+"""OpenAI-compatible request and response bodies (pydantic), with the limits the server enforces.
+
+Unknown fields are allowed through pydantic and then sorted by ``check_extra_fields``: fields that
+would change the meaning of the answer (``tools``, ``response_format``...) are a 400 naming the field;
+the rest are logged once and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+log = logging.getLogger(__name__)
+
+MAX_N = 8
+MAX_STOPS = 16
+MAX_STOP_LEN = 256
+MAX_MESSAGES = 512
+MAX_TEXT_CHARS = 1_000_000
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-shaped body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(max_length=64 * 2**20)
+    detail: Literal["auto", "low", "high", "original"] = "auto"
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "image_url"]
+    text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = Field(default=None)
+    name: str | None = Field(default=None, max_length=256)
+    reasoning_content: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _content_size(cls, v):
+        if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
+            raise ValueError(f"content longer than {MAX_TEXT_CHARS} characters")
+        return v
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and completions (standard ones and the common extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=256)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=100_000)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# Fields that would change the answer if silently ignored: refuse them unless harmless.
+_MEANING = {
+    "tools": lambda v: not v,
+    "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "logit_bias": lambda v: not v,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "prediction": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "logits_processors": lambda v: not v,
+}
+_logged_ignored: set[str] = set()
+
+
+def check_extra_fields(req: BaseModel, where: str = "") -> None:
+    extra = req.model_extra or {}
+    for name, value in extra.items():
+        ok = _MEANING.get(name)
+        if ok is not None and not ok(value):
+            raise APIError(400, f"'{name}' is not supported by this server; remove it from the request",
+                           param=name, code="unsupported_parameter")
+        if ok is None and name not in _logged_ignored:
+            _logged_ignored.add(name)
+            log.info("ignoring unsupported request field %r%s (logged once)", name, f" in {where}" if where else "")
+    for i, m in enumerate(getattr(req, "messages", []) or []):
+        for name in (m.model_extra or {}):
+            if name == "tool_calls" and m.model_extra[name]:
+                raise APIError(400, "assistant tool_calls are not supported by this server",
+                               param=f"messages[{i}].tool_calls", code="unsupported_parameter")

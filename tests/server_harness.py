@@ -1,0 +1,67 @@
+"""Start a real ds4serve HTTP server (uvicorn) on a free loopback port in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from ds4serve.config import EngineSettings
+from ds4serve.server.app import create_app
+from ds4serve.server.launch import build_state
+from ds4serve.server.serving import ServerLimits
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, state, port: int):
+        self.state = state
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> "RunningServer":
+        self.thread.start()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def stop(self) -> None:
+        self.state.engine.begin_shutdown("the server is shutting down")
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, *, api_key: str | None = None, settings: dict | None = None,
+          limits: dict | None = None, name: str = "tiny"):
+    s = EngineSettings(**({"max_seqs": 8, "max_model_len": 1024, "warmup": False} | (settings or {})))
+    state = build_state(model_dir, settings=s, limits=ServerLimits(**(limits or {})), api_key=api_key,
+                        served_name=name, random_weights=True)
+    srv = RunningServer(state, free_port()).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -1,0 +1,139 @@
+"""Malformed and hostile requests get the right 4xx (OpenAI-shaped) while a healthy stream runs."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from server_harness import serve
+
+OK_MSG = [{"role": "user", "content": "hi"}]
+IMG = "<｜deepseek_image｜>"
+
+
+def chat(**kw):
+    return {"model": "tiny", "messages": OK_MSG, "max_tokens": 4} | kw
+
+
+# (name, method, path, body or raw bytes, headers, expected status, expected error param/code fragment)
+CASES = [
+    ("not json", "POST", "/v1/chat/completions", b"{nope", {}, 400, "JSON"),
+    ("invalid utf-8", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', {}, 400, None),
+    ("json array body", "POST", "/v1/chat/completions", b"[1, 2]", {}, 400, None),
+    ("empty body", "POST", "/v1/chat/completions", b"", {}, 400, None),
+    ("missing model", "POST", "/v1/chat/completions", {"messages": OK_MSG}, {}, 400, "model"),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": "tiny"}, {}, 400, "messages"),
+    ("empty messages", "POST", "/v1/chat/completions", chat(messages=[]), {}, 400, "messages"),
+    ("messages not a list", "POST", "/v1/chat/completions", chat(messages="hi"), {}, 400, "messages"),
+    ("bad role", "POST", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), {}, 400, "role"),
+    ("content wrong type", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), {}, 400, "content"),
+    ("bad content part", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "video"}]}]), {}, 400, "type"),
+    ("only system", "POST", "/v1/chat/completions", chat(messages=[{"role": "system", "content": "x"}]), {}, 400, "user"),
+    ("last is assistant", "POST", "/v1/chat/completions", chat(messages=OK_MSG + [{"role": "assistant", "content": "y"}]), {}, 400, None),
+    ("unknown model", "POST", "/v1/chat/completions", chat(model="gpt-9"), {}, 404, "model_not_found"),
+    ("negative max_tokens", "POST", "/v1/chat/completions", chat(max_tokens=-1), {}, 400, "max_tokens"),
+    ("zero max_tokens", "POST", "/v1/chat/completions", chat(max_tokens=0), {}, 400, "max_tokens"),
+    ("huge max_tokens", "POST", "/v1/chat/completions", chat(max_tokens=10**9), {}, 400, "context_length_exceeded"),
+    ("string max_tokens", "POST", "/v1/chat/completions", chat(max_tokens="lots"), {}, 400, "max_tokens"),
+    ("huge max_completion_tokens", "POST", "/v1/chat/completions", chat(max_completion_tokens=10**7), {}, 400, "context"),
+    ("temperature too high", "POST", "/v1/chat/completions", chat(temperature=5), {}, 400, "temperature"),
+    ("negative temperature", "POST", "/v1/chat/completions", chat(temperature=-0.1), {}, 400, "temperature"),
+    ("top_p zero", "POST", "/v1/chat/completions", chat(top_p=0), {}, 400, "top_p"),
+    ("n too large", "POST", "/v1/chat/completions", chat(n=100), {}, 400, "n"),
+    ("n zero", "POST", "/v1/chat/completions", chat(n=0), {}, 400, "n"),
+    ("presence penalty range", "POST", "/v1/chat/completions", chat(presence_penalty=9), {}, 400, "presence_penalty"),
+    ("too many stops", "POST", "/v1/chat/completions", chat(stop=[str(i) for i in range(40)]), {}, 400, "stop"),
+    ("stop wrong type", "POST", "/v1/chat/completions", chat(stop=5), {}, 400, "stop"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=3), {}, 400, "top_logprobs"),
+    ("top_logprobs too big", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), {}, 400, "top_logprobs"),
+    ("tools unsupported", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    ("response_format json", "POST", "/v1/chat/completions", chat(response_format={"type": "json_object"}), {}, 400, "response_format"),
+    ("logit_bias", "POST", "/v1/chat/completions", chat(logit_bias={"5": 10}), {}, 400, "logit_bias"),
+    ("image placeholder injection", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": f"look {IMG}"}]), {}, 400, "placeholder"),
+    ("placeholder in text part", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "text", "text": IMG}]}]), {}, 400, "placeholder"),
+    ("placeholder in system", "POST", "/v1/chat/completions", chat(messages=[{"role": "system", "content": IMG}] + OK_MSG), {}, 400, "placeholder"),
+    ("image to text-only model", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), {}, 400, "images"),
+    ("stop_token_ids out of vocab", "POST", "/v1/chat/completions", chat(stop_token_ids=[10**6]), {}, 400, "stop_token_ids"),
+    ("oversized body", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * 300_000 + b'"}]}', {}, 413, "request_too_large"),
+    ("completions echo", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "echo": True}, {}, 400, "echo"),
+    ("completions suffix", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "suffix": "z"}, {}, 400, "suffix"),
+    ("completions bad token ids", "POST", "/v1/completions", {"model": "tiny", "prompt": [1, -5]}, {}, 400, "prompt"),
+    ("completions empty prompt list", "POST", "/v1/completions", {"model": "tiny", "prompt": []}, {}, 400, "prompt"),
+    ("completions prompt object", "POST", "/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, {}, 400, "prompt"),
+    ("completions best_of", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "best_of": 3}, {}, 400, "best_of"),
+    ("wrong method", "GET", "/v1/chat/completions", None, {}, 405, None),
+    ("unknown route", "GET", "/v1/nope", None, {}, 404, None),
+]
+
+
+def _send(base: str, method: str, path: str, body, headers) -> httpx.Response:
+    h = {"content-type": "application/json"} | headers
+    if body is None:
+        return httpx.request(method, base + path, headers=headers, timeout=60)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.request(method, base + path, content=content, headers=h, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def limited(random_ckpt):
+    with serve(random_ckpt, limits={"max_body_bytes": 200_000}, settings={"max_seqs": 4}) as srv:
+        yield srv
+
+
+def test_hostile_requests_while_a_healthy_stream_runs(limited):
+    assert len(CASES) >= 40
+    healthy: dict = {}
+
+    def stream():
+        with httpx.stream("POST", limited.base + "/v1/chat/completions", timeout=120,
+                          json=chat(max_tokens=150, stream=True, ignore_eos=True, temperature=0)) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        healthy["status"] = r.status_code
+        healthy["lines"] = lines
+
+    t = threading.Thread(target=stream)
+    t.start()
+    failures = []
+    for name, method, path, body, headers, status, fragment in CASES:
+        r = _send(limited.base, method, path, body, headers)
+        if r.status_code != status:
+            failures.append(f"{name}: got {r.status_code} {r.text[:200]}, expected {status}")
+            continue
+        err = r.json().get("error")
+        if err is None or not {"message", "type", "param", "code"} <= set(err):
+            failures.append(f"{name}: not an OpenAI error body: {r.text[:200]}")
+            continue
+        if fragment and fragment.lower() not in json.dumps(err).lower():
+            failures.append(f"{name}: error does not mention {fragment!r}: {err}")
+    t.join(timeout=120)
+    assert not failures, "\n".join(failures)
+    assert healthy["status"] == 200
+    final = json.loads(healthy["lines"][-2][len("data: "):])
+    assert healthy["lines"][-1] == "data: [DONE]" and final["choices"][0]["finish_reason"] == "length"
+    assert limited.engine.call(lambda core: core.leaks()) == ""
+
+
+def test_api_key(random_ckpt):
+    with serve(random_ckpt, api_key="s3cret") as srv:
+        assert httpx.get(srv.base + "/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(srv.base + "/v1/chat/completions", json=chat(), headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(srv.base + "/metrics", headers=headers).status_code == 401
+            assert httpx.get(srv.base + "/v1/models", headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(srv.base + "/v1/chat/completions", json=chat(), headers=ok).status_code == 200
+        assert httpx.get(srv.base + "/metrics", headers=ok).status_code == 200
+
+
+def test_binding_policy():
+    from ds4serve.server.launch import BindError, check_binding
+
+    check_binding("127.0.0.1", None, False)
+    check_binding("0.0.0.0", "key", False)
+    check_binding("0.0.0.0", None, True)
+    with pytest.raises(BindError, match="--api-key"):
+        check_binding("0.0.0.0", None, False)

@@ -1,0 +1,119 @@
+"""Many users at once: concurrency, disconnects, capacity, timeouts and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from server_harness import serve
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0,
+        "ignore_eos": True}
+
+
+async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int, leave_after: int | None = None):
+    """Return (chunks seen, finish_reason or 'left')."""
+    body = dict(CHAT, max_tokens=max_tokens, stream=True)
+    seen = 0
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            seen += 1
+            if leave_after is not None and seen >= leave_after:
+                return seen, "left"  # closing the response disconnects mid-stream
+            if chunk["choices"][0]["finish_reason"]:
+                return seen, chunk["choices"][0]["finish_reason"]
+    return seen, None
+
+
+def _running_and_steps(srv):
+    return srv.engine.call(lambda core: (len(core.scheduler.running), srv.state.metrics._steps))
+
+
+def test_32_streams_with_8_disconnects(server):
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            leavers = [asyncio.create_task(_stream(client, server.base, 60, leave_after=4)) for _ in range(8)]
+            stayers = [asyncio.create_task(_stream(client, server.base, 60)) for _ in range(24)]
+            await asyncio.gather(*leavers)
+            t0 = time.monotonic()
+            running0, steps0 = _running_and_steps(server)
+            while True:  # the 8 slots must be free before the engine takes more than one further step
+                running, steps = _running_and_steps(server)
+                if running <= 24:
+                    break
+                assert time.monotonic() - t0 < 10, f"aborted requests still running ({running})"
+                await asyncio.sleep(0.005)
+            freed_after_steps = steps - steps0
+            results = await asyncio.gather(*stayers)
+            return freed_after_steps, results
+
+    freed_after_steps, results = asyncio.run(main())
+    assert freed_after_steps <= 1, f"slots freed only after {freed_after_steps} steps"
+    assert all(reason == "length" for _, reason in results), results
+    assert server.engine.call(lambda core: core.leaks()) == ""
+    metrics = httpx.get(server.base + "/metrics").text
+    assert "ds4serve_slots_in_use 0.0" in metrics
+
+
+def test_queue_full_is_503_with_retry_after(random_ckpt):
+    with serve(random_ckpt, settings={"max_seqs": 1, "max_queue": 1}) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = dict(CHAT, max_tokens=200)
+                reqs = [client.post(srv.base + "/v1/chat/completions", json=body) for _ in range(6)]
+                return await asyncio.gather(*reqs)
+
+        statuses = [r.status_code for r in asyncio.run(main())]
+        assert 503 in statuses and 200 in statuses
+        r503 = None
+        for r in asyncio.run(main()):
+            if r.status_code == 503:
+                r503 = r
+        assert r503 is not None and r503.headers["retry-after"].isdigit()
+        assert r503.json()["error"]["code"] == "server_overloaded"
+
+
+def test_request_timeout(random_ckpt):
+    with serve(random_ckpt, limits={"request_timeout_s": 0.3}) as srv:
+        r = httpx.post(srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=900), timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=900, stream=True),
+                          timeout=60) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert '"code": "timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert srv.engine.call(lambda core: core.leaks()) == ""
+
+
+def test_keepalive_comments_during_long_waits(random_ckpt):
+    with serve(random_ckpt, limits={"keepalive_s": 0.01}, settings={"max_seqs": 1}) as srv:
+        with httpx.stream("POST", srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=30, stream=True),
+                          timeout=60) as s:
+            lines = list(s.iter_lines())
+        assert any(ln == ": keep-alive" for ln in lines)
+        assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+
+
+def test_graceful_shutdown_answers_waiting_clients(random_ckpt):
+    with serve(random_ckpt, settings={"max_seqs": 2}) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                jobs = [client.post(srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=900))
+                        for _ in range(5)]
+                tasks = [asyncio.create_task(j) for j in jobs]
+                await asyncio.sleep(0.5)
+                srv.engine.begin_shutdown("the server is shutting down")
+                return await asyncio.gather(*tasks)
+
+        responses = asyncio.run(main())
+        assert all(r.status_code == 503 for r in responses)
+        assert all("shutting down" in r.json()["error"]["message"] for r in responses)
