@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     serve.add_argument("--max-body-bytes", type=int, default=48 * 2**20)
     serve.add_argument("--default-max-tokens", type=int, default=1024)
+    serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
+    serve.add_argument("--image-rows-budget", default=None, help="memory for retained image rows (e.g. 512MiB)")
+    serve.add_argument("--allow-image-hosts", default="",
+                       help="comma-separated hosts (or *.domain) that http(s) image URLs may come from; "
+                            "empty (default): only base64 data: URLs")
 
     gen = sub.add_parser("generate", help="generate from token-id prompts (batched)")
     _add_model_args(gen)
@@ -108,11 +113,14 @@ def _serve(args) -> int:
     if model is None:
         model, random_weights = default_model()
     settings = EngineSettings(max_seqs=args.max_seqs, max_model_len=args.max_model_len, kv_budget=args.kv_budget,
-                              host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue)
+                              host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue,
+                              image_rows_budget=args.image_rows_budget)
     limits = ServerLimits(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                           default_max_tokens=args.default_max_tokens)
+    hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
-                        api_key=args.api_key, served_name=args.served_model_name, random_weights=random_weights)
+                        api_key=args.api_key, served_name=args.served_model_name, random_weights=random_weights,
+                        vision_device=args.vision_device, image_hosts=hosts)
     run(state, args.host, args.port, args.log_level)
     return 0
 

@@ -455,6 +455,7 @@ class EngineSettings:
     prefill_mode: str = "chunk"  # text prefill: "chunk" (token chunks with decode) or "layers" (layer slices)
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 503)
     page_tokens: int | None = None  # raw positions per page (multiple of every compress ratio)
+    image_rows_budget: str | int | None = None  # retained encoded image rows (bytes; default 256 MiB)
     warmup: bool = True  # run a warm-up request through every path at start-up
 
     def __post_init__(self) -> None:
@@ -473,3 +474,6 @@ class EngineSettings:
                 raise ConfigError(msg)
         parse_budget(self.kv_budget)
         parse_budget(self.host_budget)
+        rows = parse_budget(self.image_rows_budget)
+        if rows is not None and rows[0] != "bytes":
+            raise ConfigError("image_rows_budget is a size in bytes, e.g. 256MiB")

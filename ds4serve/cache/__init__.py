@@ -3,6 +3,6 @@
 from .layout import StateLayout
 from .pages import PageAllocator
 from .state import ModelState
-from .view import SeqChunk, ViewError, build_view
+from .view import ImageSpan, SeqChunk, ViewError, build_view
 
-__all__ = ["ModelState", "PageAllocator", "SeqChunk", "StateLayout", "ViewError", "build_view"]
+__all__ = ["ImageSpan", "ModelState", "PageAllocator", "SeqChunk", "StateLayout", "ViewError", "build_view"]

@@ -7,7 +7,11 @@ over tokens), once per forward, and moved to the model's device in one go. The i
   rows before the chunk start come from the slot's ring, the rest from this forward's tokens;
 * a compressor window ``w`` closes at ``w*m + m - 1``; it pools positions
   ``[w*m + m - span, w*m + m)`` and lands in pool row ``w`` of the sequence;
-* a query sees compressed rows ``r < (p + 1) // m`` (complete windows only).
+* a query sees compressed rows ``r < (p + 1) // m`` (complete windows only);
+* DS4V image blocks: a query inside a visible span ``[s, e]`` (IMAGE_START..IMAGE_END) sees raw rows
+  ``[min(p-W+1, s), p + min(e-p, M)]``, future span tokens included (spec ds4-vision §4.1); lead pads,
+  text and compressed rows stay causal. A block must lie wholly inside one chunk: a chunk that would
+  split one is refused here, loudly, never computed with the wrong mask.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ class ViewError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ImageSpan:
+    """An image block of a sequence, in absolute positions."""
+
+    start: int  # first token of the block (lead pads included)
+    end: int  # one past IMAGE_END
+    visible_start: int  # IMAGE_START
+    visible_end: int  # IMAGE_END (inclusive)
+
+
+@dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a forward: ``len(ids)`` new tokens starting at absolute ``start``."""
 
@@ -33,6 +47,10 @@ class SeqChunk:
     start: int
     ids: Sequence[int] | torch.Tensor
     block_table: Sequence[int] = field(default_factory=list)
+    spans: tuple[ImageSpan, ...] = ()  # every image block of the sequence
+    # for blocks inside this chunk: (absolute positions of IMAGE slots in stream order, rows [n, D]
+    # already in stream order, i.e. aligner rows permuted by the block's perm)
+    image_rows: tuple[tuple[Sequence[int], torch.Tensor], ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -48,7 +66,8 @@ def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return seg, torch.arange(int(counts.sum()), dtype=_I64) - offsets[seg]
 
 
-def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device) -> BatchView:
+def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device,
+               max_image_tokens: int = 384) -> BatchView:
     if not chunks:
         raise ViewError("a forward needs at least one sequence")
     slots = [c.slot for c in chunks]
@@ -60,6 +79,7 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
         if len(c) < 1 or c.start < 0:
             raise ViewError(f"slot {c.slot}: empty chunk or negative start ({c.start})")
     _check_pages(layout, chunks)
+    _check_spans(chunks)
 
     g = _Geometry.of(layout, chunks)
     window = layout.cfg.sliding_window
@@ -67,7 +87,9 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
     tensors["ids"] = torch.cat([torch.as_tensor(c.ids, dtype=_I64).reshape(-1) for c in chunks])
     tensors["positions"] = g.pos
     lo = (g.pos - (window - 1)).clamp(min=0)
-    keys, valid = _ring_gather(g, lo, g.pos, ring_len=window, n_ring=n_slots * window)
+    hi = g.pos.clone()
+    _widen_spans(g, chunks, lo, hi, window, max_image_tokens)
+    keys, valid = _ring_gather(g, lo, hi, ring_len=window, n_ring=n_slots * window)
     tensors.update(swa_keys=keys, swa_valid=valid)
     dst, src = _ring_writes(g, window)
     tensors.update(swa_dst=dst, swa_src=src)
@@ -80,7 +102,13 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
+    is_image = tensors["ids"] >= layout.cfg.vocab_size
+    has_images = bool(is_image.any())
+    rows_idx, rows = _image_rows(g, chunks)
     return BatchView(
+        is_image=dev(is_image) if has_images else None,
+        image_rows=dev(rows_idx) if rows is not None else None,
+        image_embeds=rows.to(device) if rows is not None else None,
         ids=dev(tensors["ids"]), positions=dev(g.pos),
         swa_keys=dev(tensors["swa_keys"]), swa_valid=dev(tensors["swa_valid"]),
         swa_dst=dev(tensors["swa_dst"]), swa_src=dev(tensors["swa_src"]),
@@ -88,6 +116,54 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
                   for k, ci in compress.items()},
         visible={k: VisibleRows(rows=dev(r), valid=dev(v)) for k, (r, v) in visible.items()},
     )
+
+
+def _check_spans(chunks: Sequence[SeqChunk]) -> None:
+    """Refuse a chunk that would split an image block (its span needs one forward)."""
+    for c in chunks:
+        end = c.start + len(c)
+        for sp in c.spans:
+            overlaps = sp.start < end and c.start < sp.end
+            if overlaps and not (c.start <= sp.start and sp.end <= end):
+                raise ViewError(f"slot {c.slot}: prefill chunk [{c.start}, {end}) would split the image block "
+                                f"[{sp.start}, {sp.end}); image blocks must be prefilled whole")
+
+
+def _widen_spans(g: "_Geometry", chunks: Sequence[SeqChunk], lo: torch.Tensor, hi: torch.Tensor, window: int,
+                 max_tokens: int) -> None:
+    """Bidirectional raw window inside each visible span of this forward (spec ds4-vision §4.1)."""
+    for i, c in enumerate(chunks):
+        end = c.start + len(c)
+        base = int(g.offset[i]) - c.start
+        for sp in c.spans:
+            if not (c.start <= sp.start and sp.end <= end):
+                continue
+            p = torch.arange(sp.visible_start, sp.visible_end + 1, dtype=_I64)
+            left = (p - sp.visible_start).clamp(max=max_tokens - 1)
+            right = (sp.visible_end - p).clamp(max=max_tokens)
+            new_lo = (p - (window - 1) - (left - (window - 1)).clamp(min=0)).clamp(min=0)
+            new_hi = torch.minimum(p + right, new_lo + window + max_tokens - 1)
+            idx = p + base
+            lo[idx] = new_lo
+            hi[idx] = new_hi
+
+
+def _image_rows(g: "_Geometry", chunks: Sequence[SeqChunk]):
+    """Token indices (in this forward) of IMAGE slots and the rows that fill them."""
+    idx, rows = [], []
+    for i, c in enumerate(chunks):
+        base = int(g.offset[i]) - c.start
+        for positions, r in c.image_rows:
+            pos = torch.as_tensor(list(positions), dtype=_I64)
+            if pos.numel() != r.shape[0]:
+                raise ViewError(f"slot {c.slot}: {pos.numel()} image slots but {r.shape[0]} rows")
+            if pos.numel() and (int(pos.min()) < c.start or int(pos.max()) >= c.start + len(c)):
+                raise ViewError(f"slot {c.slot}: image rows outside the chunk [{c.start}, {c.start + len(c)})")
+            idx.append(pos + base)
+            rows.append(r)
+    if not rows:
+        return None, None
+    return torch.cat(idx), torch.cat([r.to(rows[0].device) for r in rows])
 
 
 def _check_pages(layout: StateLayout, chunks: Sequence[SeqChunk]) -> None:

@@ -95,7 +95,7 @@ class Engine:
             for m in p.members:
                 chunks.append(self._member_chunk(m))
                 want.append((m.request_id, m.slot, m.sampler) if m.sample else None)
-        view = build_view(self.cache.layout, self.cache.n_slots, chunks, self.device)
+        view = self._view(chunks)
         streams = self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
         ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
         pick = [int(e) for e, w in zip(ends, want) if w is not None]
@@ -106,8 +106,12 @@ class Engine:
                     owners.append((w[0], w[1]))
                     samplers.append(w[2])
 
+    def _view(self, chunks):
+        return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,
+                          max_image_tokens=self.cfg.vision.max_n_token)
+
     def _member_chunk(self, m: PassMember) -> SeqChunk:
-        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot))
+        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images)
 
     def _advance(self, p: PassSlice, rows, samplers, owners) -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
@@ -119,8 +123,7 @@ class Engine:
                 if len(m.ids) > self.cache.staging_rows:
                     raise StepError(f"pass {p.pass_id}: {len(m.ids)} rows exceed the staging size "
                                     f"{self.cache.staging_rows}")
-            view = build_view(self.cache.layout, self.cache.n_slots, [self._member_chunk(m) for m in p.members],
-                              self.device)
+            view = self._view([self._member_chunk(m) for m in p.members])
             st = _PassState(members=p.members, view=view, rope=self.model.rope_tables(view), cursor=0)
             streams = self.model.embed(view)
         else:
@@ -155,8 +158,7 @@ class Engine:
         if not set(kept) <= set(before) or kept != [r for r in before if r in kept]:
             raise StepError(f"pass {p.pass_id}: members {kept} are not an ordered subset of {before}")
         st.members = p.members
-        st.view = build_view(self.cache.layout, self.cache.n_slots, [self._member_chunk(m) for m in p.members],
-                             self.device)
+        st.view = self._view([self._member_chunk(m) for m in p.members])
         st.rope = self.model.rope_tables(st.view)
 
     def _store_staging(self, members, streams: torch.Tensor) -> None:

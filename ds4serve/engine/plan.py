@@ -43,7 +43,9 @@ class PassMember:
     ids: tuple[int, ...]
     sample: bool  # the pass ends this sequence's pending input: sample its next token at the end
     sampler: Any = field(default=None, compare=False)
-    images: Any = field(default=None, compare=False)  # image rows for this member's blocks (DS4V)
+    spans: tuple = ()  # every image block of the sequence (ImageSpan), for masks and split checks
+    # blocks inside this chunk: (absolute IMAGE slot positions, rows in stream order) pairs
+    images: tuple = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

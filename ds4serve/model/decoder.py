@@ -275,17 +275,30 @@ class DS4ForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.vision.enabled:
+            # the four learned sentinel vectors of image blocks (spec ds4-vision §3.3), kept in fp32
+            for name in ("image_start", "image_pad", "image_newline", "image_end"):
+                setattr(self, name, _param(cfg.hidden_size))
         self.register_buffer("inv_freq_main", inverse_frequencies(cfg.rope_main, cfg.rope_dim), persistent=False)
         self.register_buffer("inv_freq_compress", inverse_frequencies(cfg.rope_compress, cfg.rope_dim),
                              persistent=False)
 
     # ---- the three stages of a forward ---------------------------------------------------------
     def embed(self, view: BatchView) -> torch.Tensor:
-        """Token embeddings expanded to ``hc_mult`` streams: ``[T, hc, D]``."""
+        """Token embeddings expanded to ``hc_mult`` streams: ``[T, hc, D]``.
+
+        Image-block tokens carry sentinel ids ``vocab_size + type``: they take the learned sentinel
+        vector of their type, and IMAGE slots then receive the aligner rows (spec ds4-vision §3.3).
+        """
         ids = view.ids
-        if view.is_image is not None:
-            ids = torch.where(view.is_image, torch.zeros_like(ids), ids)  # sentinels are out of vocab
-        x = self.model.embed_tokens(ids)
+        if view.is_image is None:
+            x = self.model.embed_tokens(ids)
+        else:
+            x = self.model.embed_tokens(torch.where(view.is_image, torch.zeros_like(ids), ids))
+            kinds = (ids - self.cfg.vocab_size).clamp(0, 4)
+            table = torch.stack([self.image_start, self.image_pad, torch.zeros_like(self.image_pad),
+                                 self.image_newline, self.image_end]).to(x.dtype)
+            x = torch.where(view.is_image.unsqueeze(-1), table.index_select(0, kinds), x)
         if view.image_rows is not None and view.image_embeds is not None:
             x = x.index_copy(0, view.image_rows, view.image_embeds.to(x.dtype))
         return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()

@@ -10,6 +10,7 @@ import torch
 from ..config import ModelConfig
 from .decoder import DS4ForCausalLM
 from .rope import inverse_frequencies
+from .vision import VisionEncoder, expected_vision_tensors
 from .weights import load_state_dict
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,27 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-               progress: bool = True) -> tuple[ModelConfig, DS4ForCausalLM]:
+               progress: bool = True, vision_device: str | torch.device | None = None
+               ) -> tuple[ModelConfig, DS4ForCausalLM]:
+    """Load the language model; for a DS4V checkpoint also its vision encoder, attached as
+    ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``)."""
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
     device = torch.device(device)
     with torch.device("meta"):
         model = DS4ForCausalLM(cfg)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    expected.update(expected_vision_tensors(cfg))
     sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg))
+    vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
     model.load_state_dict(sd, assign=True, strict=True)
+    model.vision_encoder = None
+    if cfg.vision.enabled:
+        vdev = torch.device(vision_device) if vision_device is not None else device
+        with torch.device("meta"):
+            encoder = VisionEncoder(cfg)
+        encoder.load_state_dict({k: v.to(vdev) for k, v in vision_sd.items()}, assign=True, strict=True)
+        model.vision_encoder = encoder.eval()
     model.inv_freq_main = inverse_frequencies(cfg.rope_main, cfg.rope_dim).to(device)
     model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
     model.eval()

@@ -28,10 +28,12 @@ class CheckpointError(RuntimeError):
     """The checkpoint does not match the model config (the message lists what is wrong)."""
 
 
-# Parameters kept in fp32 whatever the model dtype (HF's _keep_in_fp32_modules_strict).
+# Parameters kept in fp32 whatever the model dtype (HF's _keep_in_fp32_modules_strict; the ViT
+# norms too, spec ds4-vision §2.1).
 _FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", ".sinks", "position_bias", "e_score_correction_bias",
                  "q_a_norm.", "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.",
-                 "bias_vl", "image_start", "image_pad", "image_newline", "image_end")
+                 "bias_vl", "image_start", "image_pad", "image_newline", "image_end", "_norm.weight",
+                 "vision.norm.")
 
 # Checkpoint parts ds4serve does not instantiate (the MTP drafter is not used for serving yet).
 _IGNORED = (re.compile(r"^(model\.)?mtp\."),)
@@ -45,6 +47,8 @@ _OFFICIAL_TOP = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
+
+_TOP_LEVEL = ("vision.", "aligner.", "image_start", "image_pad", "image_newline", "image_end")
 
 _OFFICIAL_LAYER = [
     (r"attn_norm\.weight", "input_layernorm.weight"),
@@ -94,6 +98,8 @@ def canonical_name(name: str) -> str:
     if name in ("lm_head.weight", "head.weight", "model.head.weight"):
         return "lm_head.weight"
     bare = name[len("model."):] if name.startswith("model.") else name
+    if bare.startswith(_TOP_LEVEL):
+        return bare  # DS4V: the vision tower, the aligner and the sentinel vectors live at the top
     if bare in _OFFICIAL_TOP:
         return _OFFICIAL_TOP[bare]
     m = _LAYER_RE.match(bare)

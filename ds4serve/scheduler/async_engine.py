@@ -64,6 +64,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._thread = None
+        self.core.close()
 
     @property
     def alive(self) -> bool:

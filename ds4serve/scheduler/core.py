@@ -20,6 +20,7 @@ import torch
 from ..cache import StateLayout
 from ..cache.manager import CacheManager
 from ..config import ConfigError, EngineSettings, ModelConfig, parse_budget
+from ..engine.encoder import EncoderWorker
 from ..engine.executor import Engine
 from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_plan, validate_step_result
 from ..engine.sampling import SamplerState, SamplingParams
@@ -52,6 +53,7 @@ class Resolved:
     n_pages: int
     host_budget: int
     staging_rows: int
+    image_rows_budget: int
 
 
 def available_memory(device: torch.device) -> int:
@@ -84,8 +86,9 @@ def resolve(cfg: ModelConfig, s: EngineSettings, layout: StateLayout, device: to
         host_bytes = host[1]
     else:
         host_bytes = int(host[1] * layout.bytes_per_token()) + layout.bytes_per_slot()
+    rows = parse_budget(s.image_rows_budget)
     return Resolved(max_seqs=s.max_seqs, max_model_len=max_len, n_pages=n_pages, host_budget=host_bytes,
-                    staging_rows=s.max_prefill_tokens)
+                    staging_rows=s.max_prefill_tokens, image_rows_budget=rows[1] if rows else 256 * 2**20)
 
 
 class EngineCore:
@@ -103,8 +106,11 @@ class EngineCore:
         self.limits = SchedulerLimits(
             num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=self.settings.step_tokens,
             max_prefill_tokens=self.settings.max_prefill_tokens, min_prefill_tokens=self.settings.min_prefill_tokens,
-            prefill_mode=self.settings.prefill_mode, max_queue=self.settings.max_queue)
-        self.scheduler = Scheduler(self.limits, self.cache)
+            prefill_mode=self.settings.prefill_mode, max_queue=self.settings.max_queue,
+            image_rows_budget=r.image_rows_budget if cfg.vision.enabled else 0)
+        encoder = getattr(model, "vision_encoder", None) if model is not None else None
+        self.encoder = EncoderWorker(encoder, self.device, dtype, cfg.hidden_size) if encoder is not None else None
+        self.scheduler = Scheduler(self.limits, self.cache, self.encoder)
         self.eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.broken: str | None = None
         self._ids = itertools.count(1)
@@ -180,12 +186,25 @@ class EngineCore:
         outs.extend(self.scheduler.take_outputs())
         return outs
 
+    def close(self) -> None:
+        """Stop the encoder worker (the engine loop owns everything else)."""
+        if self.encoder is not None:
+            self.encoder.shutdown()
+
     def leaks(self) -> str:
         """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""
         problems = [self.cache.leaks(self.scheduler.live_slots())]
         live_passes = {r.pass_id for r in self.scheduler.running if r.pass_id is not None}
         if self.engine.active_passes - live_passes:
             problems.append(f"engine passes without requests: {sorted(self.engine.active_passes - live_passes)}")
+        if self.encoder is not None:
+            live = {r.request_id for r in self.scheduler.requests.values() if r.encoded is not None}
+            stray = self.encoder.live_requests() - live
+            if stray:
+                problems.append(f"encoder work for retired requests: {sorted(stray)}")
+            held = sum(r.image_bytes for r in self.scheduler.requests.values() if r.encoded is not None)
+            if held != self.scheduler.image_bytes_used:
+                problems.append(f"image rows accounted {self.scheduler.image_bytes_used} B, held {held} B")
         live_snaps = sum(r.snapshot.nbytes for r in self.scheduler.parked if r.snapshot is not None)
         if self.cache.host_used != live_snaps:
             problems.append(f"host budget in use {self.cache.host_used} B, snapshots hold {live_snaps} B")

@@ -56,7 +56,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
-    images: Any = None  # image records (DS4V); a request with images is recomputable only if they are retained
+    images: Any = None  # list[ImageInput] (DS4V): pixels + block layout at absolute positions
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -67,6 +67,8 @@ class Request:
     error: str | None = None
     preemptions: int = 0
     first_token_at: float | None = None
+    encoded: list | None = None  # EncodedImage handles from the encoder worker (rows retained while live)
+    image_bytes: int = 0  # retained-rows memory accounted to this request
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +92,22 @@ class Request:
         return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[max(0, start - n_prompt):stop - n_prompt])
 
     @property
+    def spans(self) -> tuple:
+        """Image blocks as ``ImageSpan`` (absolute positions), in order."""
+        if not self.images:
+            return ()
+        from ..cache.view import ImageSpan  # noqa: PLC0415 - a leaf dataclass
+
+        return tuple(ImageSpan(im.block.start, im.block.end, im.block.visible_start, im.block.visible_end)
+                     for im in self.images)
+
+    @property
     def recomputable(self) -> bool:
-        """Its whole input is retained (ids, and image rows or pixels if it has images)."""
-        return self.images is None or getattr(self.images, "retained", False)
+        """Its whole input is retained: token ids, and every image's rows (or pixels to re-encode).
+
+        Image requests keep their encoded rows while live, so they can be dropped and recomputed
+        exactly; they are never rebuilt from their sentinel ids alone."""
+        if not self.images:
+            return True
+        return self.encoded is not None and all(h.error is None and (h.rows is not None or h.patches is not None)
+                                                for h in self.encoded)

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import CacheManager
+from ..multimodal.chunking import next_chunk
 from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
 from .request import Request, RequestOutput, RequestStatus
 
@@ -47,6 +48,7 @@ class SchedulerLimits:
     min_prefill_tokens: int
     prefill_mode: str
     max_queue: int
+    image_rows_budget: int = 0  # bytes of retained image rows (0: images refused)
 
 
 @dataclass
@@ -62,9 +64,11 @@ class _Pass:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager):
+    def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder=None):
         self.limits = limits
         self.cache = cache
+        self.encoder = encoder  # EncoderWorker for DS4V checkpoints, else None
+        self.image_bytes_used = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # hold a slot, in arrival order
         self.parked: list[Request] = []  # SUSPENDED or PARKED, in arrival order
@@ -80,6 +84,8 @@ class Scheduler:
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.check_fits(len(req.prompt_ids), req.params.max_tokens)
+        if req.images:
+            self._check_images(req)
         if len(self.waiting) >= self.limits.max_queue:
             self.stats["rejected"] += 1
             raise QueueFull(f"the queue is full ({self.limits.max_queue} waiting requests)")
@@ -101,6 +107,19 @@ class Scheduler:
             raise RequestTooLarge(
                 f"the request needs {pages} cache pages but the whole pool has {self.cache.state.n_pages}; "
                 f"lower max_tokens or the prompt length")
+
+    def _check_images(self, req: Request) -> None:
+        if self.encoder is None:
+            raise ValueError("this model has no vision encoder; send text only")
+        req.image_bytes = sum(self.encoder.row_bytes(im.n_rows) for im in req.images)
+        if req.image_bytes > self.limits.image_rows_budget:
+            self.stats["rejected"] += 1
+            raise RequestTooLarge(f"the request's images need {req.image_bytes} bytes of encoded rows, more than the "
+                                  f"image budget of {self.limits.image_rows_budget} bytes; send fewer or smaller images")
+        for im in req.images:
+            if im.block.length > self.limits.max_prefill_tokens:
+                raise RequestTooLarge(f"an image block of {im.block.length} tokens exceeds the largest prefill pass "
+                                      f"({self.limits.max_prefill_tokens} tokens)")
 
     def abort(self, request_id: str, reason: str | None = None) -> bool:
         """Cancel a request at any point; its slot, pages, snapshot or pass are freed now."""
@@ -157,12 +176,18 @@ class Scheduler:
         while self.waiting and not self.parked and self._has_room_for(self.waiting[0]):
             req = self.waiting.popleft()
             req.slot = self.cache.alloc_slot()
+            if req.images:
+                req.encoded = self.encoder.submit(req.request_id, req.images)  # admission order
+                self.image_bytes_used += req.image_bytes
             self._enter_running(req)
 
     def _has_room_for(self, req: Request) -> bool:
         """A slot, and pages for its first chunk plus a small watermark (1% of the pool, at least one
         page). Admission is optimistic like vLLM's: growth beyond that is handled by preemption."""
         if self.cache.free_slots == 0:
+            return False
+        if req.images and req.encoded is None and \
+                self.image_bytes_used + req.image_bytes > self.limits.image_rows_budget:
             return False
         first = min(req.pending, self.limits.max_prefill_tokens) + req.computed
         watermark = max(1, self.cache.state.n_pages // 100)
@@ -226,23 +251,69 @@ class Scheduler:
             floor = 0
         tokens_left = self.limits.max_prefill_tokens if idle else max(budget, floor) // L
         by_layers = self.limits.prefill_mode == "layers" and not idle
+        group: list[tuple[Request, PassMember]] = []
         for req in [r for r in self.running if r.status is RequestStatus.PREFILLING and r.pass_id is None]:
-            if tokens_left <= 0 or (by_layers and max(budget, floor) <= 0):
-                break
-            # token chunking: as many tokens as the budget holds, all layers now; layer slicing: one
-            # whole chunk as a pass, as many layers as the budget holds (the rest in later steps)
-            n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
-                    else tokens_left)
-            if not self.cache.reserve({req.slot: req.computed + n}):
-                break
-            member = PassMember(req.request_id, req.slot, req.computed, req.input_ids(req.computed, req.computed + n),
-                                sample=n == req.pending, sampler=req.sampler)
+            if req.images:
+                n, with_block = self._image_chunk(req)
+                if n == 0:
+                    continue  # its next block's image is still encoding (or it just failed)
+                if with_block:  # whole blocks go through a shared image pass
+                    rows = sum(len(m.ids) for _, m in group)
+                    if group and rows + n > self.limits.max_prefill_tokens:
+                        continue
+                    if self.cache.reserve({req.slot: req.computed + n}):
+                        group.append((req, self._member(req, n)))
+                    continue
+                n = min(n, tokens_left)  # a text stretch before the next block: an ordinary chunk
+            else:
+                if tokens_left <= 0 or (by_layers and max(budget, floor) <= 0):
+                    continue
+                # token chunking: as many tokens as the budget holds, all layers now; layer slicing:
+                # one whole chunk as a pass, as many layers as the budget holds
+                n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
+                        else tokens_left)
+            if n <= 0 or not self.cache.reserve({req.slot: req.computed + n}):
+                continue
             layers = max(1, min(L, max(budget, floor) // n)) if by_layers else L
-            slices.append(self._new_pass([req], (member,), layers))
+            slices.append(self._new_pass([req], (self._member(req, n),), layers))
             tokens_left -= n
             budget -= n * layers
             floor = 0
+        if group:
+            rows = sum(len(m.ids) for _, m in group)
+            layers = L if idle else max(1, min(L, max(budget, floor) // rows))
+            slices.append(self._new_pass([r for r, _ in group], tuple(m for _, m in group), layers))
         return slices
+
+    def _member(self, req: Request, n: int) -> PassMember:
+        lo, hi = req.computed, req.computed + n
+        images = ()
+        if req.images:
+            images = tuple((h.positions, h.rows) for h, sp in zip(req.encoded, req.spans)
+                           if lo <= sp.start and sp.end <= hi)
+        return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
+                          sampler=req.sampler, spans=req.spans, images=images)
+
+    def _image_chunk(self, req: Request) -> tuple[int, bool]:
+        """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
+
+        Returns ``(n, contains_a_block)``; ``n == 0`` means wait (or the request just failed)."""
+        spans = req.spans
+        blocks = [(sp.start, sp.end) for sp in spans]
+        lo = req.computed
+        n = next_chunk(lo, req.total_len, self.limits.max_prefill_tokens, blocks, self.limits.min_prefill_tokens)
+        hi = lo + n
+        for h, sp in zip(req.encoded, spans):
+            if sp.end <= lo or sp.start >= hi:
+                continue
+            if not h.ready.is_set():
+                hi = sp.start  # take what precedes the unready block (a block boundary)
+                break
+            if h.error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=h.error)
+                return 0, False
+        with_block = any(lo <= sp.start and sp.end <= hi for sp in spans)
+        return max(0, hi - lo), with_block
 
     def _new_pass(self, reqs: list[Request], members: tuple[PassMember, ...], layers: int) -> PassSlice:
         pid = next(self._pass_ids)
@@ -313,7 +384,11 @@ class Scheduler:
             completion_tokens=len(req.output_ids)))
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None, new=None) -> None:
-        """End a request and free everything it holds (slot, pages, snapshot, pass)."""
+        """End a request and free everything it holds (slot, pages, snapshot, pass, image rows)."""
+        if req.encoded is not None:
+            self.encoder.cancel(req.request_id)
+            self.image_bytes_used -= req.image_bytes
+            req.encoded = None
         if req in self.running:
             self.running.remove(req)
             if req.pass_id is not None:

@@ -51,10 +51,16 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def prepare_images(self, rendered):
+        """Decode, resize and expand the request's images (worker thread)."""
+        from ..multimodal.images import ImageError  # noqa: PLC0415 - the leaf package imports PIL
+
         if self.image_pipeline is None:
             raise APIError(400, f"model {self.model_id!r} does not accept images; send text only",
                            param="messages", code="images_not_supported")
-        return self.image_pipeline.prepare(rendered)
+        try:
+            return self.image_pipeline.prepare(rendered)
+        except ImageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_image") from exc
 
 
 class _BodyLimit:
@@ -102,17 +108,27 @@ def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The most specific pydantic error as ``param: message`` with an OpenAI-style param path.
+
+    For union fields (``content`` is a string or a list of parts) pydantic reports one error per
+    alternative; the deepest location is the one that says what the client got wrong."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    e = errors[0]
-    if e.get("type") in ("json_invalid", "json_type"):
+    if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
         return "the request body is not valid JSON", None
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    e = max(errors, key=lambda err: len(err.get("loc", ())))
+    param = ""
+    for part in e.get("loc", ()):
+        if part == "body" or (isinstance(part, str) and ("[" in part or part.split("-")[0].lower() in _TYPE_TAGS)):
+            continue
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
     msg = e.get("msg", "invalid value")
-    return (f"{param}: {msg}" if param else msg), param
+    return (f"{param}: {msg}" if param else msg), (param or None)
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -38,18 +38,23 @@ def check_binding(host: str, api_key: str | None, insecure: bool) -> None:
 def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 settings: EngineSettings | None = None, limits: ServerLimits | None = None,
                 api_key: str | None = None, served_name: str | None = None,
-                random_weights: bool = False) -> ServerState:
+                random_weights: bool = False, vision_device: str | None = None,
+                image_hosts: tuple[str, ...] = ()) -> ServerState:
     tokenizer = Tokenizer(model_dir)
-    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True)
+    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device)
     eos = tuple(dict.fromkeys((tokenizer.eos_id, *cfg.eos_token_ids)))
     core = EngineCore(cfg, model, settings or EngineSettings(), device, parse_dtype(dtype), eos_ids=eos)
     name = served_name or model_dir.name
     state = ServerState(engine=AsyncEngine(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
                         api_key=api_key, random_weights=random_weights)
     if cfg.vision.enabled:
-        from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415 - only for vision checkpoints
+        from ..multimodal.fetch import FetchPolicy  # noqa: PLC0415 - only for vision checkpoints
+        from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415
 
+        core.fetch_policy = FetchPolicy(allowed_hosts=image_hosts)
         state.image_pipeline = ImagePipeline.for_engine(core, tokenizer)
+        log.info("images enabled: %d-token cap per image, remote URLs %s", cfg.vision.max_n_token,
+                 f"from {', '.join(image_hosts)}" if image_hosts else "disabled (data: URLs only)")
     if random_weights:
         log.warning("serving %s with RANDOM placeholder weights (answers are noise); the trained tiny DS4V model "
                     "replaces it once bundled", name)

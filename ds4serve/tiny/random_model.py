@@ -17,17 +17,27 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..model.loader import expected_tensors
+from ..model.vision import expected_vision_tensors
 from .byte_tokenizer import SPECIAL_ORDER, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
 
-VERSION = "random-ds4-tiny-v1"
+VERSION = "random-ds4v-tiny-v2"
 REPO_MODELS = Path(__file__).resolve().parent.parent.parent / "models"
 BUNDLED = REPO_MODELS / "ds4v-tiny"
 
 
-def random_config(vocab_size: int) -> dict:
-    return {
+VISION = {
+    # a small ViT and a 64-token image cap: images cost tens of tokens, not hundreds
+    "vision_n_layers": 2, "vision_dim": 64, "vision_n_heads": 4, "vision_inter_dim": 128, "vision_patch_size": 14,
+    "vision_rope_theta": 10000.0, "vision_downsample_ratio": 3, "vision_max_n_token": 64,
+    "vision_min_pixels": 112 * 112, "vision_max_wh_ratio": 8,
+}
+
+
+def random_config(vocab_size: int, vision: bool = True) -> dict:
+    extra = VISION if vision else {}
+    return extra | {
         "model_type": "deepseek_v4", "vocab_size": vocab_size, "hidden_size": 256, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
         "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64, "sliding_window": 32,
@@ -45,14 +55,15 @@ def random_config(vocab_size: int) -> dict:
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, (shape, dtype) in sorted(expected_tensors(cfg).items()):
+    names = expected_tensors(cfg) | expected_vision_tensors(cfg)
+    for name, (shape, dtype) in sorted(names.items()):
         if name.endswith("tid2eid"):
             t = torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: shape[1]] for _ in range(shape[0])])
         elif name.endswith(("norm.weight", "layernorm.weight", "hc_scale", ".scale")):
             t = torch.ones(shape)
-        elif name.endswith(("e_score_correction_bias", ".base", "hc_base", "bias_vl")):
+        elif name.endswith(("e_score_correction_bias", ".base", "hc_base")):
             t = torch.zeros(shape)
-        elif name.endswith(("sinks", "position_bias")):
+        elif name.endswith(("sinks", "position_bias", "bias_vl")):
             t = torch.randn(shape, generator=gen) * 0.5
         else:
             t = torch.randn(shape, generator=gen) * 0.02
@@ -65,8 +76,9 @@ def cache_dir() -> Path:
     return Path(root) / VERSION
 
 
-def ensure_random_checkpoint(path: Path | None = None) -> Path:
-    """Create (once) and return the random placeholder checkpoint directory."""
+def ensure_random_checkpoint(path: Path | None = None, vision: bool = True) -> Path:
+    """Create (once) and return the random placeholder checkpoint directory (DS4V unless ``vision``
+    is False)."""
     path = Path(path) if path else cache_dir()
     marker = path / "RANDOM_WEIGHTS"
     if marker.exists() and marker.read_text().strip() == VERSION:
@@ -74,7 +86,7 @@ def ensure_random_checkpoint(path: Path | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok = build_byte_tokenizer()
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    config = random_config(vocab_size=vocab + (-vocab) % 8)
+    config = random_config(vocab_size=vocab + (-vocab) % 8, vision=vision)
     cfg = ModelConfig.from_dict(config)
     tmp = path / "model.safetensors.tmp"
     save_file(random_weights(cfg), str(tmp))

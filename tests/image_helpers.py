@@ -1,0 +1,34 @@
+"""Synthetic images and prepared DS4V prompts for engine tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+from PIL import Image, ImageDraw
+
+from ds4serve.chat import Tokenizer, render_chat
+from ds4serve.multimodal.pipeline import ImagePipeline
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "cyan"]
+
+
+def image_url(seed: int, size=(200, 150)) -> str:
+    im = Image.new("RGB", size, COLOURS[seed % len(COLOURS)])
+    d = ImageDraw.Draw(im)
+    c = COLOURS[(seed * 5 + 3) % len(COLOURS)]
+    x = 10 + (seed * 37) % 100
+    d.ellipse((x, 20, x + 60, 90), fill=c)
+    d.rectangle((5, 100, 5 + (seed * 13) % 150, 140), fill=COLOURS[(seed + 4) % len(COLOURS)])
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_prompt(core, tok: Tokenizer, text: str, seeds: list[int]):
+    """(ids with image blocks, ImageInput list) for a user message with these images."""
+    parts = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": image_url(s)}}
+                                                for s in seeds]
+    rendered = render_chat(tok, [{"role": "user", "content": parts}])
+    prepared = ImagePipeline.for_engine(core, tok).prepare(rendered)
+    return prepared.ids, prepared.images
