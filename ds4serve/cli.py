@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    img = bsub.add_parser("images", help="text-stream pauses while image requests prefill; concurrency gain")
+    img.add_argument("--model", type=Path, default=None, help="a DS4V checkpoint (default: the bundled model)")
+    img.add_argument("--step-tokens", type=int, default=24)
+    img.add_argument("--threads", type=int, default=None)
     return parser
 
 
@@ -110,8 +114,10 @@ def _serve(args) -> int:
         return 2
     random_weights = False
     model = args.model
+    served = args.served_model_name
     if model is None:
         model, random_weights = default_model()
+        served = served or "ds4v-tiny"  # the same id before and after the trained model ships
     settings = EngineSettings(max_seqs=args.max_seqs, max_model_len=args.max_model_len, kv_budget=args.kv_budget,
                               host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue,
                               image_rows_budget=args.image_rows_budget)
@@ -119,7 +125,7 @@ def _serve(args) -> int:
                           default_max_tokens=args.default_max_tokens)
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
-                        api_key=args.api_key, served_name=args.served_model_name, random_weights=random_weights,
+                        api_key=args.api_key, served_name=served, random_weights=random_weights,
                         vision_device=args.vision_device, image_hosts=hosts)
     run(state, args.host, args.port, args.log_level)
     return 0
@@ -132,6 +138,11 @@ def _bench(args) -> int:
         streams = [int(x) for x in args.streams.split(",") if x.strip()]
         run(streams, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
             compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads)
+        return 0
+    if args.bench_command == "images":
+        from .bench.images_bench import run as run_images
+
+        run_images(args.model, step_tokens=args.step_tokens, threads=args.threads)
         return 0
     raise SystemExit(f"unknown bench {args.bench_command}")
 
