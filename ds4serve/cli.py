@@ -73,6 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print the model config and per-sequence state sizes")
     _add_model_args(info)
 
+    tiny = sub.add_parser("tiny", help="the bundled tiny DS4V model: train it, evaluate it")
+    tsub = tiny.add_subparsers(dest="tiny_command", required=True)
+    tr = tsub.add_parser("train", help="train the tiny DS4V model on CPU (synthetic shapes, math, reversal)")
+    tr.add_argument("--out", type=Path, default=Path("models/ds4v-tiny"))
+    tr.add_argument("--steps", type=int, default=7000)
+    tr.add_argument("--batch", type=int, default=48)
+    tr.add_argument("--lr", type=float, default=3e-3)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--threads", type=int, default=2, help="CPU threads (fixed for reproducibility)")
+    tr.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
+    ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
+    ev.add_argument("--model", type=Path, default=None)
+    ev.add_argument("--n", type=int, default=500)
+    ev.add_argument("--in-flight", type=int, default=16)
+    ev.add_argument("--seed", type=int, default=2, help="held-out data seed (training uses other seeds)")
+    ev.add_argument("--threads", type=int, default=None)
+
     bench = sub.add_parser("bench", help="benchmarks (not tests): measured figures and ratios")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bsub.add_parser("engine", help="decode tok/s at several stream counts vs transformers' generate")
@@ -82,6 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    srv = bsub.add_parser("serve", help="load generator for any OpenAI-compatible endpoint (ours or a peer's)")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL")
+    srv.add_argument("--launch", action="store_true", help="start `ds4serve serve` (bundled model) for the run")
+    srv.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--concurrency", default="1,4,16", help="comma-separated fixed concurrency levels")
+    srv.add_argument("--rate", default="", help="comma-separated Poisson request rates (req/s) instead")
+    srv.add_argument("--requests", type=int, default=32, help="requests per level")
+    srv.add_argument("--image-fraction", type=float, default=0.25)
+    srv.add_argument("--prompt-words", type=int, default=30)
+    srv.add_argument("--max-tokens", type=int, default=32)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--out", type=Path, default=Path("bench-out"))
+    ch = bsub.add_parser("chaos", help="seeded storm of real traffic with aborts and bad input; checks invariants")
+    ch.add_argument("--model", type=Path, default=None)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--requests", type=int, default=2000)
+    ch.add_argument("--log", type=Path, default=Path("chaos.jsonl"), help="every request and its outcome (replay)")
     img = bsub.add_parser("images", help="text-stream pauses while image requests prefill; concurrency gain")
     img.add_argument("--model", type=Path, default=None, help="a DS4V checkpoint (default: the bundled model)")
     img.add_argument("--step-tokens", type=int, default=24)
@@ -98,7 +133,30 @@ def main(argv: list[str] | None = None) -> int:
         return _info(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "tiny":
+        return _tiny(args)
     return _generate(args)
+
+
+def _tiny(args) -> int:
+    import torch
+
+    if args.tiny_command == "train":
+        from .tiny.train import TrainSettings, train
+
+        torch.set_num_threads(args.threads)
+        summary = train(TrainSettings(out=args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                                      time_limit_s=args.time_limit))
+        print(f"trained {args.out} in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
+        return 0
+    from .tiny.evaluate import evaluate
+    from .tiny.random_model import default_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or default_model()[0]
+    evaluate(model, n=args.n, in_flight=args.in_flight, seed=args.seed)
+    return 0
 
 
 def _serve(args) -> int:
@@ -131,6 +189,42 @@ def _serve(args) -> int:
     return 0
 
 
+def _maybe_launch(launch: bool):
+    """Start ``ds4serve serve`` on a free loopback port for the duration of a bench (or do nothing)."""
+    import contextlib
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    @contextlib.contextmanager
+    def ctx():
+        if not launch:
+            yield None
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "ds4serve.cli", "--log-level", "WARNING", "serve",
+                                 "--port", str(port), "--max-seqs", "32"])
+        base = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(base + "/health", timeout=1)
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        raise SystemExit("ds4serve serve exited during start-up")
+                    time.sleep(0.2)
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+    return ctx()
+
+
 def _bench(args) -> int:
     if args.bench_command == "engine":
         from .bench.engine_bench import run
@@ -139,6 +233,20 @@ def _bench(args) -> int:
         run(streams, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
             compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads)
         return 0
+    if args.bench_command == "serve":
+        from .bench.serve_bench import run as run_serve
+
+        conc = [int(x) for x in args.concurrency.split(",") if x.strip()] if not args.rate else []
+        rates = [float(x) for x in args.rate.split(",") if x.strip()]
+        with _maybe_launch(args.launch) as base:
+            run_serve(base or args.base_url, args.model, conc, rates, args.requests, args.image_fraction,
+                      args.prompt_words, args.max_tokens, args.seed, args.out, api_key=args.api_key)
+        return 0
+    if args.bench_command == "chaos":
+        from .bench.chaos import run as run_chaos
+
+        report = run_chaos(args.model, args.seed, args.requests, args.log)
+        return 0 if report.ok else 1
     if args.bench_command == "images":
         from .bench.images_bench import run as run_images
 

@@ -80,7 +80,9 @@ def run_experts(
 ) -> torch.Tensor:
     """Routed experts for ``x [T, D]``: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (HF layout)."""
     n_exp, two_i, d = gate_up.shape
-    if x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT:
+    # training (CPU grouped_mm has no backward) and small batches take the dense path
+    if (torch.is_grad_enabled() and gate_up.requires_grad) or \
+            x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT:
         return _dense_experts(x, idx, weights, gate_up, down, limit)
     return _grouped_experts(x, idx, weights, gate_up, down, limit)
 

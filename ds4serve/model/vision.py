@@ -127,13 +127,14 @@ class VisionAttention(nn.Module):
         self.wo = _Linear(vcfg.dim, vcfg.dim, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.wqkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
+        """``x [..., N, dim]``: leading axes are independent images of the same grid."""
+        lead = x.shape[:-1]
+        q, k, v = self.wqkv(x).view(*lead, 3, self.n_heads, self.head_dim).unbind(-3)
         q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
-        # [N, H, D] -> [H, N, D]: heads act as the batch axis; no mask = bidirectional
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        # [..., N, H, D] -> [..., H, N, D]: heads act as a batch axis; no mask = bidirectional
+        out = F.scaled_dot_product_attention(q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3),
                                              scale=self.head_dim**-0.5)
-        return self.wo(out.transpose(0, 1).reshape(n, -1))
+        return self.wo(out.transpose(-2, -3).reshape(*lead, -1))
 
 
 class VisionMLP(nn.Module):
@@ -191,6 +192,19 @@ class VisionTower(nn.Module):
         head_dim = self.vcfg.dim // self.vcfg.n_heads
         inv_freq = vision_inverse_frequencies(head_dim, self.vcfg.rope_theta, device=x.device)
         cos, sin = grid_cos_sin(vit_h, vit_w, inv_freq)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return rms_norm(x, self.norm.weight, self.vcfg.norm_eps)
+
+    def forward_same_grid(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
+        """``patches [B, vit_h*vit_w, 3, p, p]`` of B images with one grid -> ``[B, N, dim]``.
+
+        Images still attend only to themselves (the batch axis is outside attention); used by
+        training, where every synthetic image has the same size."""
+        b, n = patches.shape[:2]
+        x = self.patch_embed(patches.reshape(b, n, -1).to(self.patch_embed.weight.dtype))
+        head_dim = self.vcfg.dim // self.vcfg.n_heads
+        cos, sin = grid_cos_sin(vit_h, vit_w, vision_inverse_frequencies(head_dim, self.vcfg.rope_theta, x.device))
         for block in self.blocks:
             x = block(x, cos, sin)
         return rms_norm(x, self.norm.weight, self.vcfg.norm_eps)
@@ -276,6 +290,13 @@ class VisionEncoder(nn.Module):
     def encode(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
         """One image's patches -> its ``[llm_h*llm_w, hidden]`` IMAGE-slot embeddings (grid order)."""
         return self.aligner(self.vision(patches, vit_h, vit_w), vit_h, vit_w)
+
+    def encode_same_grid(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
+        """``[B, vit_h*vit_w, 3, p, p]`` -> ``[B, llm_h*llm_w, hidden]`` (training batches)."""
+        feats = self.vision.forward_same_grid(patches, vit_h, vit_w)
+        folded = torch.stack([fold_features(f, vit_h, vit_w, self.aligner.ratio) for f in feats])
+        a = self.aligner
+        return a.w2(F.gelu(a.w1(folded.to(a.w1.weight.dtype)), approximate="none"))
 
     def encode_batch(self, images: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
         """``encode`` for several independent images (no cross-image attention)."""

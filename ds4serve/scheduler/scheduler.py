@@ -78,7 +78,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._outputs: list[RequestOutput] = []
         self.cancelled_passes: list[int] = []  # passes the engine must forget (drained by the loop)
-        self.stats = {"preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
+        self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
                       "resumed": 0, "completed": 0, "aborted": 0, "failed": 0}
 
     # ---- intake --------------------------------------------------------------------------------
@@ -93,6 +93,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.stats["added"] += 1
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         total = prompt_tokens + max_tokens

@@ -77,7 +77,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=100_000)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=-(2**53), le=2**53)  # exactly representable in JSON numbers
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)

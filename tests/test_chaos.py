@@ -1,0 +1,66 @@
+"""The seeded chaos storm (short in CI), and proof that it catches the classic faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4serve.bench.chaos import CHAOS_SETTINGS, run_chaos
+from ds4serve.server.inprocess import serve
+
+
+def test_chaos_storm_200_requests(random_ckpt, tmp_path):
+    with serve(random_ckpt, settings=CHAOS_SETTINGS) as srv:
+        report = run_chaos(srv, seed=7, n=200, log_path=tmp_path / "chaos.jsonl")
+    print(report.counts, report.engine_stats)
+    assert report.ok, "\n".join(report.problems)
+    assert report.counts.get("completed", 0) > 80
+    assert report.counts.get("aborted", 0) > 10 and report.counts.get("rejected", 0) > 10
+    stats = report.engine_stats
+    assert stats["preempt_suspend"] > 0 and stats["resumed"] > 0, stats
+    assert len((tmp_path / "chaos.jsonl").read_text().splitlines()) == 200
+
+
+def _fault_leaked_slot_on_image_abort(monkeypatch):
+    """A request aborted while its image pass is in flight keeps its slot (the classic leak)."""
+    from ds4serve.scheduler.scheduler import Scheduler
+
+    original = Scheduler._leave_pass
+
+    def leaky(self, req):
+        original(self, req)
+        slot = req.slot
+        self.cache.drop = (lambda s, _orig=self.cache.drop: None if s == slot else _orig(s))
+
+    monkeypatch.setattr(Scheduler, "_leave_pass", leaky)
+
+
+def _fault_encoder_outlives_request(monkeypatch):
+    from ds4serve.engine.encoder import EncoderWorker
+
+    monkeypatch.setattr(EncoderWorker, "cancel", lambda self, rid: None)
+
+
+def _fault_stall_after_suspend(monkeypatch):
+    """Suspended requests are never resumed: their streams stall."""
+    from ds4serve.scheduler.request import RequestStatus
+    from ds4serve.scheduler.scheduler import Scheduler
+
+    original = Scheduler._resume
+
+    def never_resume_suspended(self, req):
+        return False if req.status is RequestStatus.SUSPENDED else original(self, req)
+
+    monkeypatch.setattr(Scheduler, "_resume", never_resume_suspended)
+
+
+@pytest.mark.parametrize("fault,needle", [
+    (_fault_leaked_slot_on_image_abort, "leaks"),
+    (_fault_encoder_outlives_request, "encoder work for retired requests"),
+    (_fault_stall_after_suspend, "stalled"),
+])
+def test_chaos_catches_classic_faults(fault, needle, random_ckpt, monkeypatch):
+    fault(monkeypatch)
+    with serve(random_ckpt, settings=CHAOS_SETTINGS) as srv:
+        report = run_chaos(srv, seed=11, n=60, timeout_s=8.0)
+    assert not report.ok
+    assert any(needle in p for p in report.problems), report.problems
