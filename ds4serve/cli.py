@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-tokens", type=int, default=32)
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--out", type=Path, default=Path("bench-out"))
+    peer = bsub.add_parser("peer", help="ds4serve vs transformers (serve and batched generate), same checkpoint")
+    peer.add_argument("--concurrency", default="1,4,16")
+    peer.add_argument("--requests", type=int, default=32)
+    peer.add_argument("--max-tokens", type=int, default=32)
+    peer.add_argument("--no-transformers-serve", action="store_true")
+    peer.add_argument("--threads", type=int, default=None)
     ch = bsub.add_parser("chaos", help="seeded storm of real traffic with aborts and bad input; checks invariants")
     ch.add_argument("--model", type=Path, default=None)
     ch.add_argument("--seed", type=int, default=0)
@@ -241,6 +247,16 @@ def _bench(args) -> int:
         with _maybe_launch(args.launch) as base:
             run_serve(base or args.base_url, args.model, conc, rates, args.requests, args.image_fraction,
                       args.prompt_words, args.max_tokens, args.seed, args.out, api_key=args.api_key)
+        return 0
+    if args.bench_command == "peer":
+        from .bench.peer import run as run_peer
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        run_peer([int(x) for x in args.concurrency.split(",")], requests=args.requests, max_tokens=args.max_tokens,
+                 with_transformers_serve=not args.no_transformers_serve)
         return 0
     if args.bench_command == "chaos":
         from .bench.chaos import run as run_chaos

@@ -244,7 +244,39 @@ class EngineCore:
                 raise RuntimeError(f"warm-up failed: {res.error or validate_step_result(plan, res, L)}")
         finally:
             self.cache.drop(slot)
+        if self.encoder is not None:
+            self._warmup_image()
         leak = self.leaks()
         if leak:
             raise RuntimeError(f"warm-up leaked: {leak}")
-        log.info("warm-up: sliced pass, merged step, sampling, suspend/restore ok in %.2f s", time.perf_counter() - t0)
+        log.info("warm-up: sliced pass, merged step, sampling, suspend/restore%s ok in %.2f s",
+                 ", encoder + image pass" if self.encoder is not None else "", time.perf_counter() - t0)
+
+    def _warmup_image(self) -> None:
+        """Encode a blank 1x1-grid image on the worker and prefill its block through a pass."""
+        from ..cache.view import ImageSpan  # noqa: PLC0415
+        from ..multimodal.layout import image_block  # noqa: PLC0415
+        from ..multimodal.records import ImageInput, sentinel_ids  # noqa: PLC0415
+
+        v = self.cfg.vision
+        blk = image_block(1, 1, 1)
+        image = ImageInput(torch.zeros(9, 3, v.patch_size, v.patch_size), 3, 3, blk, "warmup")
+        handle = self.encoder.submit("warmup", [image])[0]
+        if not handle.ready.wait(120) or handle.rows is None:
+            raise RuntimeError(f"warm-up: the vision encoder failed: {handle.error}")
+        ids = (int(self.eos_ids[0]) if self.eos_ids else 0,) + tuple(sentinel_ids(blk, self.cfg.vocab_size))
+        slot = self.cache.alloc_slot()
+        try:
+            if not self.cache.reserve({slot: len(ids)}):
+                raise RuntimeError("warm-up: the page pool cannot hold one image block")
+            span = ImageSpan(blk.start, blk.end, blk.visible_start, blk.visible_end)
+            member = PassMember("warmup-image", slot, 0, ids, sample=True,
+                                sampler=SamplerState(SamplingParams(temperature=0.0), ids, []),
+                                spans=(span,), images=((handle.positions, handle.rows),))
+            plan = StepPlan(-4, (), (PassSlice(-4, 0, self.cfg.num_layers, (member,)),))
+            res = self.engine.step(plan)
+            if validate_step_result(plan, res, self.cfg.num_layers):
+                raise RuntimeError(f"warm-up image pass failed: {res.error}")
+        finally:
+            self.cache.drop(slot)
+            self.encoder.cancel("warmup")

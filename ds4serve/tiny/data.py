@@ -32,6 +32,8 @@ SHAPES = ("circle", "square", "triangle", "diamond")
 POSITIONS = ("top-left", "top-center", "top-right", "middle-left", "center", "middle-right",
              "bottom-left", "bottom-center", "bottom-right")
 TASKS = ("colour", "shape", "count", "where", "compare", "math", "reverse")
+# Extra supervision used in training only: naming every shape links what the vision tower sees to words.
+TRAIN_TASKS = TASKS + ("describe",)
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 WORDS = ("cat", "dog", "sun", "map", "cup", "red", "box", "pen", "hat", "key", "bird", "fish", "tree", "milk",
          "star", "moon", "rain", "lamp", "door", "book", "frog", "ship", "wolf", "bear", "coin", "leaf",
@@ -64,14 +66,15 @@ def draw(shapes: list[Shape]) -> Image.Image:
     d = ImageDraw.Draw(im)
     for s in shapes:
         r, c = divmod(s.cell, 3)
-        x0, y0 = c * CELL + 6, r * CELL + 6
-        x1, y1 = x0 + CELL - 12, y0 + CELL - 12
+        # shapes fill most of their cell, so the corner patches tell the kinds apart
+        x0, y0 = c * CELL + 2, r * CELL + 2
+        x1, y1 = x0 + CELL - 4, y0 + CELL - 4
         mx, my = (x0 + x1) // 2, (y0 + y1) // 2
         fill = COLOURS[s.colour]
         if s.kind == "circle":
             d.ellipse((x0, y0, x1, y1), fill=fill)
         elif s.kind == "square":
-            d.rectangle((x0 + 2, y0 + 2, x1 - 2, y1 - 2), fill=fill)
+            d.rectangle((x0 + 3, y0 + 3, x1 - 3, y1 - 3), fill=fill)
         elif s.kind == "triangle":
             d.polygon([(mx, y0), (x1, y1), (x0, y1)], fill=fill)
         else:
@@ -96,6 +99,10 @@ def make_example(rng: random.Random, task: str) -> Example:
         if task == "shape":
             return Example(task, f"Which shape is {target.colour}?", target.kind, [scene])
         return Example(task, f"Where is the {target.kind}?", POSITIONS[target.cell], [scene])
+    if task == "describe":
+        scene = random_scene(rng)
+        parts = [f"{s.colour} {s.kind} {POSITIONS[s.cell]}" for s in sorted(scene, key=lambda s: s.cell)]
+        return Example(task, "Describe the image.", ", ".join(parts), [scene])
     if task == "count":
         scene = random_scene(rng)
         return Example(task, "How many shapes are there?", str(len(scene)), [scene])
@@ -104,7 +111,7 @@ def make_example(rng: random.Random, task: str) -> Example:
         return Example(task, "Which image has more shapes?", "first" if a > b else "second",
                        [random_scene(rng, a), random_scene(rng, b)])
     if task == "math":
-        x, y = rng.randint(0, 20), rng.randint(0, 20)
+        x, y = rng.randint(0, 10), rng.randint(0, 10)
         if rng.random() < 0.5:
             return Example(task, f"What is {x} + {y}?", str(x + y))
         x, y = max(x, y), min(x, y)
@@ -122,13 +129,12 @@ def examples(seed: int, n: int, tasks: tuple[str, ...] = TASKS) -> list[Example]
 
 
 def messages(ex: Example, image_urls: list[str] | None = None) -> list[dict]:
-    """The example as an OpenAI chat message (images as data URLs when given)."""
+    """The example as an OpenAI chat message: image parts first, then the question (so the question's
+    own tokens can attend to the picture; the tiny model is trained in this order)."""
     if not ex.images:
         return [{"role": "user", "content": ex.question}]
-    parts = [{"type": "text", "text": ex.question}]
-    for url in image_urls or []:
-        parts.append({"type": "image_url", "image_url": {"url": url}})
-    return [{"role": "user", "content": parts}]
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls or []]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": ex.question}]}]
 
 
 def corpus(seed: int, n: int) -> list[str]:

@@ -1,0 +1,123 @@
+"""The bundled tiny DS4V model really answers: correctness under concurrency, eviction and the API.
+
+These extend the vision tests' "same as solo" checks with "and right": the held-out questions have
+exact answers. Skipped only if the bundled checkpoint is absent (it ships in models/ds4v-tiny).
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from ds4serve.chat import Tokenizer
+from ds4serve.engine.sampling import SamplingParams
+from ds4serve.multimodal.pipeline import ImagePipeline
+from ds4serve.tiny.data import examples
+from ds4serve.tiny.evaluate import answer_text, prepare
+from ds4serve.tiny.random_model import BUNDLED
+
+pytestmark = pytest.mark.skipif(not (BUNDLED / "model.safetensors").exists(), reason="bundled model not present")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(BUNDLED)
+
+
+@pytest.fixture(scope="module")
+def make_llm():
+    from ds4serve.llm import LLM
+
+    cache = {}
+
+    def get(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in cache:
+            cache[key] = LLM(BUNDLED, **kw)
+        return cache[key]
+
+    return get
+
+
+def _run(core, tok, exs, in_flight: int):
+    pipeline = ImagePipeline.for_engine(core, tok)
+    params = SamplingParams(max_tokens=24, temperature=0)
+    pending, live, answers = list(enumerate(exs)), {}, {}
+    while pending or live:
+        while pending and len(live) < in_flight:
+            i, ex = pending.pop(0)
+            ids, images = prepare(core, tok, pipeline, ex)
+            req = core.make_request(ids, params, images=images)
+            core.add(req)
+            live[req.request_id] = (i, req)
+        for out in core.step():
+            if out.finished and out.request_id in live:
+                i, req = live.pop(out.request_id)
+                answers[i] = answer_text(tok, list(req.output_ids))
+    assert core.leaks() == ""
+    return [answers[i] for i in range(len(exs))]
+
+
+def test_answers_correct_and_equal_to_solo_under_concurrency(make_llm, tok):
+    exs = examples(5, 56)
+    solo = _run(make_llm(max_seqs=1).core, tok, exs, in_flight=1)
+    batched = _run(make_llm(max_seqs=16).core, tok, exs, in_flight=16)
+    assert batched == solo
+    correct = sum(a == ex.answer for a, ex in zip(batched, exs))
+    assert correct >= 0.9 * len(exs), [(ex.question, ex.answer, a) for a, ex in zip(batched, exs) if a != ex.answer]
+
+
+def test_mixed_traffic_image_answers_correct(make_llm, tok):
+    """Two long text streams decode while image questions (one and two images) arrive: the image
+    answers are right, and the text streams finish."""
+    core = make_llm(max_seqs=8, step_tokens=24, max_prefill_tokens=256).core
+    pipeline = ImagePipeline.for_engine(core, tok)
+    streams = [core.make_request(prepare(core, tok, pipeline, ex)[0],
+                                 SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+               for ex in examples(8, 2, ("math",))]
+    for r in streams:
+        core.add(r)
+    for _ in range(4):
+        core.step()
+    exs = [ex for ex in examples(9, 40) if ex.images][:12]
+    reqs = []
+    for ex in exs:
+        ids, images = prepare(core, tok, pipeline, ex)
+        reqs.append(core.make_request(ids, SamplingParams(max_tokens=24, temperature=0), images=images))
+        core.add(reqs[-1])
+    core.run_until_idle()
+    assert all(len(r.output_ids) == 100 for r in streams)
+    answers = [answer_text(tok, list(r.output_ids)) for r in reqs]
+    correct = sum(a == ex.answer for a, ex in zip(answers, exs))
+    assert correct >= 0.9 * len(exs), list(zip([e.question for e in exs], [e.answer for e in exs], answers))
+    assert core.leaks() == ""
+
+
+def test_forced_eviction_answers_correct(make_llm, tok):
+    """A pool for about two requests: suspensions and drops happen, and the answers stay right."""
+    exs = examples(11, 28)
+    solo = _run(make_llm(max_seqs=1).core, tok, exs, in_flight=1)
+    core = make_llm(max_seqs=8, kv_budget=128, host_budget="40KB", step_tokens=16, max_prefill_tokens=128).core
+    got = _run(core, tok, exs, in_flight=8)
+    stats = core.scheduler.stats
+    assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
+    assert got == solo
+    correct = sum(a == ex.answer for a, ex in zip(got, exs))
+    assert correct >= 0.9 * len(exs)
+
+
+def test_readme_sample_through_the_api(tmp_path):
+    import openai
+
+    from ds4serve.server.inprocess import serve
+
+    sample = Path(BUNDLED) / "sample.png"
+    url = "data:image/png;base64," + base64.b64encode(sample.read_bytes()).decode()
+    with serve(BUNDLED, name="ds4v-tiny", random_weights=False) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
+        out = client.chat.completions.create(model="ds4v-tiny", max_tokens=16, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What colour is the triangle?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}])
+        assert out.choices[0].message.content == (Path(BUNDLED) / "sample_answer.txt").read_text().strip()
