@@ -118,6 +118,6 @@ def test_readme_sample_through_the_api(tmp_path):
     with serve(BUNDLED, name="ds4v-tiny", random_weights=False) as srv:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(model="ds4v-tiny", max_tokens=16, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "What colour is the triangle?"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}])
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What colour is the triangle?"}]}])
         assert out.choices[0].message.content == (Path(BUNDLED) / "sample_answer.txt").read_text().strip()

@@ -106,39 +106,99 @@ def prompt_table(n_image_prompts: int = 6) -> list[dict]:
     return table
 
 
-def make_plan(seed: int, n: int, table: list[dict], spread_s: float) -> list[Planned]:
+DEFAULT_MIX = {"complete": 3, "complete_stream": 4, "abort_prefill": 1, "abort_image": 1, "abort_stream": 1,
+               "malformed": 1}
+
+
+def make_plan(seed: int, n: int, table: list[dict], spread_s: float,
+              mix: dict[str, int] | None = None) -> list[Planned]:
+    """The storm's requests: a pure function of the seed. Prefill aborts hang up within 0.15 s of
+    sending; image aborts within 0.05-1 s (their images queue, encode and run a pass first)."""
     rng = random.Random(seed)
     image_prompts = [i for i, p in enumerate(table) if p["images"]]
-    weights = {"complete": 3, "complete_stream": 4, "abort_prefill": 1, "abort_image": 1, "abort_stream": 1,
-               "malformed": 1}
+    weights = mix or DEFAULT_MIX
     actions = list(weights)
     plan = []
     for i in range(n):
         action = rng.choices(actions, [weights[a] for a in actions])[0]
         prompt = rng.choice(image_prompts) if action == "abort_image" else rng.randrange(len(table))
+        u = rng.random()
         plan.append(Planned(i, action, -1 if action == "malformed" else prompt, rng.uniform(0, spread_s),
-                            abort_after_s=rng.uniform(0.0, 0.15), abort_after_chunks=rng.randint(1, 4),
+                            abort_after_s=0.05 + 0.95 * u if action == "abort_image" else 0.15 * u,
+                            abort_after_chunks=rng.randint(1, 4),
                             bad=rng.randrange(len(BAD_BODIES))))
     return plan
 
 
 def _body(table: list[dict], p: Planned, stream: bool) -> dict:
     t = table[p.prompt]
-    return {"model": "tiny", "messages": t["messages"], "max_tokens": t["max_tokens"], "temperature": 0,
+    body = {"model": "tiny", "messages": t["messages"], "max_tokens": t["max_tokens"], "temperature": 0,
             "ignore_eos": True, "stream": stream}
+    if p.action == "abort_image":
+        body["seed"] = 10_000 + p.index  # marks the request for _PassWatcher; greedy answers ignore it
+    return body
 
 
-async def _stream(client, url, body, p: Planned, timeout_s: float) -> Outcome:
-    text, chunks = "", 0
+class _PassWatcher:
+    """Which requests are inside a multi-step image pass right now, polled from the engine loop.
+
+    ``abort_image`` requests carry a unique ``seed`` (greedy answers ignore it), so a client can hang up
+    exactly while its own images are in a pass rather than hoping a timer lands there."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.in_pass: set[int] = set()
+        self.changed = asyncio.Event()
+
+    @staticmethod
+    def _probe(core) -> set[int]:
+        return {r.params.seed for r in core.scheduler.running if r.pass_id is not None and r.params.seed is not None}
+
+    async def run(self) -> None:
+        while True:
+            self.in_pass = await asyncio.to_thread(self.engine.call, self._probe)
+            self.changed.set()
+            self.changed = asyncio.Event()
+            await asyncio.sleep(0.003)
+
+    async def wait_in_pass(self, seed: int) -> None:
+        while seed not in self.in_pass:
+            await self.changed.wait()
+
+
+async def _stream(client, url, body, p: Planned, timeout_s: float, watcher: _PassWatcher | None) -> Outcome:
+    """Stream one answer. ``abort_prefill`` hangs up on a timer, whatever has arrived, so the disconnect
+    lands while the prompt is still being computed; ``abort_image`` hangs up once its images are seen in
+    a pass (in-process servers) or on a timer (any other server)."""
     t0 = time.monotonic()
+    if p.action == "abort_image" and watcher is not None:
+        reading = asyncio.ensure_future(_read_stream(client, url, body, p, timeout_s))
+        seen = asyncio.ensure_future(watcher.wait_in_pass(body["seed"]))
+        await asyncio.wait({reading, seen}, return_when=asyncio.FIRST_COMPLETED)
+        if reading.done():
+            seen.cancel()
+            return reading.result()  # answered before any pass was observed (a one-step pass)
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        return Outcome(p.index, p.action, "aborted", f"in its image pass after {time.monotonic() - t0:.3f}s")
+    if p.action in ("abort_prefill", "abort_image"):
+        try:
+            async with asyncio.timeout(p.abort_after_s):
+                out = await _read_stream(client, url, body, p, timeout_s)
+        except TimeoutError:
+            return Outcome(p.index, p.action, "aborted", f"after {time.monotonic() - t0:.3f}s")
+        return out
+    return await _read_stream(client, url, body, p, timeout_s)
+
+
+async def _read_stream(client, url, body, p: Planned, timeout_s: float) -> Outcome:
+    text, chunks = "", 0
     try:
         async with client.stream("POST", url, json=body, timeout=timeout_s) as r:
             if r.status_code != 200:
                 data = json.loads(await r.aread())
                 return _refusal(p, r.status_code, data)
             async for line in r.aiter_lines():
-                if p.action in ("abort_prefill", "abort_image") and time.monotonic() - t0 >= p.abort_after_s:
-                    return Outcome(p.index, p.action, "aborted", f"after {time.monotonic() - t0:.3f}s")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -162,7 +222,7 @@ def _refusal(p: Planned, status: int, data: dict) -> Outcome:
     return Outcome(p.index, p.action, "error", f"{status} {data}")
 
 
-async def _one(client, base: str, table, p: Planned, timeout_s: float) -> Outcome:
+async def _one(client, base: str, table, p: Planned, timeout_s: float, watcher: _PassWatcher | None) -> Outcome:
     await asyncio.sleep(p.delay_s)
     url = base + "/v1/chat/completions"
     if p.action == "malformed":
@@ -179,13 +239,20 @@ async def _one(client, base: str, table, p: Planned, timeout_s: float) -> Outcom
         if r.status_code != 200:
             return _refusal(p, r.status_code, r.json())
         return Outcome(p.index, p.action, "completed", text=r.json()["choices"][0]["message"]["content"])
-    return await _stream(client, url, _body(table, p, True), p, timeout_s)
+    return await _stream(client, url, _body(table, p, True), p, timeout_s, watcher)
 
 
-async def _storm(base: str, table, plan: list[Planned], timeout_s: float) -> list[Outcome]:
+async def _storm(base: str, table, plan: list[Planned], timeout_s: float, engine=None) -> list[Outcome]:
     limits = httpx.Limits(max_connections=len(plan) + 8)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        return list(await asyncio.gather(*(_one(client, base, table, p, timeout_s) for p in plan)))
+    watcher = _PassWatcher(engine) if engine is not None else None
+    polling = asyncio.ensure_future(watcher.run()) if watcher else None
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            return list(await asyncio.gather(*(_one(client, base, table, p, timeout_s, watcher) for p in plan)))
+    finally:
+        if polling is not None:
+            polling.cancel()
+            await asyncio.gather(polling, return_exceptions=True)
 
 
 async def _solo(base: str, table) -> list[str]:
@@ -207,14 +274,14 @@ def _wait_idle(engine, timeout_s: float = 60) -> None:
 
 
 def run_chaos(srv, seed: int, n: int, log_path: Path | None = None, spread_s: float | None = None,
-              timeout_s: float = 60.0) -> Report:
+              timeout_s: float = 60.0, mix: dict[str, int] | None = None) -> Report:
     """Run the storm against a running in-process server ``srv`` and check every invariant."""
     t0 = time.time()
     table = prompt_table()
     solo = asyncio.run(_solo(srv.base, table))
     before = srv.engine.call(lambda core: dict(core.scheduler.stats))
-    plan = make_plan(seed, n, table, spread_s if spread_s is not None else n / 40)
-    outcomes = asyncio.run(_storm(srv.base, table, plan, timeout_s))
+    plan = make_plan(seed, n, table, spread_s if spread_s is not None else n / 40, mix)
+    outcomes = asyncio.run(_storm(srv.base, table, plan, timeout_s, srv.engine))
     _wait_idle(srv.engine)
     problems = []
     for p, o in zip(plan, outcomes):

@@ -79,7 +79,7 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []
         self.cancelled_passes: list[int] = []  # passes the engine must forget (drained by the loop)
         self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
-                      "resumed": 0, "completed": 0, "aborted": 0, "failed": 0}
+                      "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0}
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -393,6 +393,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             if req.pass_id is not None:
+                self.stats["aborted_in_pass"] += status is RequestStatus.FINISHED_ABORT
                 self._leave_pass(req)
             self.cache.drop(req.slot)
             req.slot = None

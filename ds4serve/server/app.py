@@ -212,10 +212,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def _run(job, request: Request):
         await serving.admit(job)
         if job.stream:
-            return StreamingResponse(serving.sse(job, state.model_id),
+            return StreamingResponse(serving.sse(job, state.model_id, disconnected=lambda: _disconnect(request)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _collect_watching(job, request)
+
+    async def _disconnect(request: Request) -> None:
+        """Resolve when the client disconnects (the body is already read, so the next ASGI message
+        is the disconnect)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
 
     async def _collect_watching(job, request: Request):
         """Collect a non-streaming answer; a client disconnect or the timeout cancels it."""

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -329,8 +329,14 @@ class Serving:
         return {"index": i, "text": text, "logprobs": _completion_logprobs(lps) if job.logprobs is not None else None,
                 "finish_reason": finish}
 
-    async def sse(self, job: Job, model_id: str) -> AsyncIterator[str]:
-        """SSE frames for a streaming job, with keep-alive comments and the request deadline."""
+    async def sse(self, job: Job, model_id: str,
+                  disconnected: Callable[[], Awaitable[object]] | None = None) -> AsyncIterator[str]:
+        """SSE frames for a streaming job, with keep-alive comments and the request deadline.
+
+        ``disconnected`` resolves when the client goes away. It is watched alongside the engine's events
+        because a server only notices a dead socket when it next writes to it: without the watch, a
+        client that leaves during a long (image) prefill would keep its request computing until the
+        first token or keep-alive."""
         created = int(time.time())
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         deadline = job.arrival + self.state.limits.request_timeout_s
@@ -338,12 +344,18 @@ class Serving:
         completion = [0] * len(job.params)
         events = self.events(job)
         next_event = None
+        gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:
             while True:
                 if next_event is None:
                     next_event = asyncio.ensure_future(events.__anext__())
                 left = deadline - time.monotonic()
-                done, _ = await asyncio.wait({next_event}, timeout=max(0.0, min(self.state.limits.keepalive_s, left)))
+                waiting = {next_event} if gone is None else {next_event, gone}
+                done, _ = await asyncio.wait(waiting, timeout=max(0.0, min(self.state.limits.keepalive_s, left)),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if gone is not None and gone in done:
+                    log.info("client disconnected; cancelled %s", job.request_id)
+                    return
                 if not done:
                     if time.monotonic() >= deadline:
                         yield _frame({"error": {"message": f"the request did not finish within "
@@ -377,9 +389,10 @@ class Serving:
                               "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
-            if next_event is not None:
-                next_event.cancel()
-                await asyncio.gather(next_event, return_exceptions=True)
+            for fut in (next_event, gone):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                    await asyncio.gather(fut, return_exceptions=True)
             await events.aclose()
 
     def _chunk(self, job: Job, ev: Event, first: bool) -> dict:

@@ -32,8 +32,9 @@ SHAPES = ("circle", "square", "triangle", "diamond")
 POSITIONS = ("top-left", "top-center", "top-right", "middle-left", "center", "middle-right",
              "bottom-left", "bottom-center", "bottom-right")
 TASKS = ("colour", "shape", "count", "where", "compare", "math", "reverse")
-# Extra supervision used in training only: naming every shape links what the vision tower sees to words.
-TRAIN_TASKS = TASKS + ("describe",)
+# The training mix: "describe" (naming every shape links what the vision tower sees to words) is
+# training-only; the two questions that look a row up by shape kind are the hardest and get 3x weight.
+TRAIN_TASKS = TASKS + ("describe", "colour", "colour", "where", "where")
 NUMBER_WORDS = ("zero", "one", "two", "three", "four")
 WORDS = ("cat", "dog", "sun", "map", "cup", "red", "box", "pen", "hat", "key", "bird", "fish", "tree", "milk",
          "star", "moon", "rain", "lamp", "door", "book", "frog", "ship", "wolf", "bear", "coin", "leaf",

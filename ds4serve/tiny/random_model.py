@@ -100,6 +100,6 @@ def ensure_random_checkpoint(path: Path | None = None, vision: bool = True) -> P
 
 def default_model() -> tuple[Path, bool]:
     """(model dir, is_random): the bundled tiny model if present, else the random placeholder."""
-    if (BUNDLED / "config.json").exists():
+    if (BUNDLED / "model.safetensors").exists():
         return BUNDLED, False
     return ensure_random_checkpoint(), True
