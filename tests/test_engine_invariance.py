@@ -94,3 +94,28 @@ def test_layer_sliced_passes_equal_solo(solo, llm_factory):
     assert any(n < 6 for n in slices), "no pass was layer-sliced"
     for i, (got, want) in enumerate(zip(outs, solo[False])):
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs when layer-sliced"
+
+
+def test_requests_needing_the_whole_pool_make_progress(llm_factory):
+    """Each request needs every page of a two-page pool: they run one after another (after drops)
+    instead of waiting forever for a page kept free for growth that nothing running needs."""
+    probe = llm_factory("A", max_seqs=1)
+    page = probe.core.cache.layout.page_tokens
+    prompts = [random_ids(page - 8, 1000, seed=900 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=page, temperature=0.0, ignore_eos=True)
+    want = [probe.generate([p], max_tokens=page, temperature=0.0, ignore_eos=True)[0] for p in prompts]
+    llm = llm_factory("A", max_seqs=4, kv_budget=2 * page, host_budget="1KB", step_tokens=16,
+                      max_prefill_tokens=4 * page)
+    assert llm.core.cache.state.n_pages == 2
+    core = llm.core
+    reqs = [core.make_request(p, params) for p in prompts]
+    for r in reqs:
+        core.add(r)
+    for _ in range(50 * page):
+        if not core.has_work:
+            break
+        core.step()
+    assert not core.has_work, [(r.status.value, r.computed) for r in reqs]
+    assert core.scheduler.stats["preempt_drop"] > 0, core.scheduler.stats
+    assert [list(r.output_ids) for r in reqs] == want
+    assert core.leaks() == ""

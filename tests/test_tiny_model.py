@@ -41,9 +41,12 @@ def make_llm():
     return get
 
 
-def _run(core, tok, exs, in_flight: int):
+def _run(core, tok, exs, in_flight: int, grow: bool = False):
+    """Answer ``exs`` with ``in_flight`` requests live at a time. ``grow`` keeps decoding past the answer
+    (ignore_eos) so sequences outgrow their pages and a small pool must evict; the answer is the text
+    before the first end-of-sentence token either way."""
     pipeline = ImagePipeline.for_engine(core, tok)
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = SamplingParams(max_tokens=48 if grow else 24, temperature=0, ignore_eos=grow)
     pending, live, answers = list(enumerate(exs)), {}, {}
     while pending or live:
         while pending and len(live) < in_flight:
@@ -55,7 +58,8 @@ def _run(core, tok, exs, in_flight: int):
         for out in core.step():
             if out.finished and out.request_id in live:
                 i, req = live.pop(out.request_id)
-                answers[i] = answer_text(tok, list(req.output_ids))
+                ids = list(req.output_ids)
+                answers[i] = answer_text(tok, ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids)
     assert core.leaks() == ""
     return [answers[i] for i in range(len(exs))]
 
@@ -98,9 +102,9 @@ def test_mixed_traffic_image_answers_correct(make_llm, tok):
 def test_forced_eviction_answers_correct(make_llm, tok):
     """A pool for about two requests: suspensions and drops happen, and the answers stay right."""
     exs = examples(11, 28)
-    solo = _run(make_llm(max_seqs=1).core, tok, exs, in_flight=1)
+    solo = _run(make_llm(max_seqs=1).core, tok, exs, in_flight=1, grow=True)
     core = make_llm(max_seqs=8, kv_budget=128, host_budget="40KB", step_tokens=16, max_prefill_tokens=128).core
-    got = _run(core, tok, exs, in_flight=8)
+    got = _run(core, tok, exs, in_flight=8, grow=True)
     stats = core.scheduler.stats
     assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
     assert got == solo

@@ -157,7 +157,7 @@ class Scheduler:
 
     def _resume(self, req: Request) -> bool:
         if req.status is RequestStatus.SUSPENDED:
-            if self.cache.free_pages < req.snapshot.n_pages + max(1, self.cache.state.n_pages // 100):
+            if self.cache.free_pages < req.snapshot.n_pages + self._watermark():
                 return False
             slot = self.cache.restore(req.snapshot)
             if slot is None:
@@ -183,16 +183,21 @@ class Scheduler:
             self._enter_running(req)
 
     def _has_room_for(self, req: Request) -> bool:
-        """A slot, and pages for its first chunk plus a small watermark (1% of the pool, at least one
-        page). Admission is optimistic like vLLM's: growth beyond that is handled by preemption."""
+        """A slot, and pages for its first chunk plus a small watermark (see ``_watermark``). Admission
+        is optimistic like vLLM's: growth beyond that is handled by preemption."""
         if self.cache.free_slots == 0:
             return False
         if req.images and req.encoded is None and \
                 self.image_bytes_used + req.image_bytes > self.limits.image_rows_budget:
             return False
         first = min(req.pending, self.limits.max_prefill_tokens) + req.computed
-        watermark = max(1, self.cache.state.n_pages // 100)
-        return self.cache.layout.pages_for(first) + watermark <= self.cache.free_pages
+        return self.cache.layout.pages_for(first) + self._watermark() <= self.cache.free_pages
+
+    def _watermark(self) -> int:
+        """Pages kept free for the running requests' growth: 1% of the pool, at least one page. With
+        nothing running there is no growth to protect, and keeping the page would strand a request
+        that needs the whole pool (admission allows that) in the queue forever."""
+        return max(1, self.cache.state.n_pages // 100) if self.running else 0
 
     def _enter_running(self, req: Request) -> None:
         req.status = RequestStatus.DECODING if req.pending == 1 else RequestStatus.PREFILLING
