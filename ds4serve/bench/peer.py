@@ -94,9 +94,11 @@ def _process(cmd: list[str], health: str, timeout_s: float = 180):
 
 
 def _http_levels(base: str, model: str, levels: list[int], n: int, max_tokens: int, words: int) -> dict:
+    """Both HTTP sides get identical greedy bodies without ``ignore_eos`` (transformers serve rejects
+    unknown fields with a 422); same weights, so both stop at the same tokens."""
     out = {}
     for c in levels:
-        bodies = make_requests(max(n, c), 0, 0.0, words, max_tokens, model)
+        bodies = make_requests(max(n, c), 0, 0.0, words, max_tokens, model, ignore_eos=False)
         asyncio.run(run_level(base, bodies[:c], c, None, 0, None, False))  # warm-up
         results, duration = asyncio.run(run_level(base, bodies, c, None, 0, None, True))
         lv = summarise(f"c={c}", c, None, results, duration)

@@ -84,7 +84,10 @@ def _image_url(rng: random.Random) -> str:
 
 
 def make_requests(n: int, seed: int, image_fraction: float, prompt_words: int, max_tokens: int,
-                  model: str) -> list[dict]:
+                  model: str, ignore_eos: bool = True) -> list[dict]:
+    """Seeded request bodies. ``ignore_eos`` (a vLLM/ds4serve extension) fixes every answer's length;
+    servers that reject unknown fields (transformers serve) get greedy bodies without it, which stop
+    at the same point on the same weights."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -94,9 +97,11 @@ def make_requests(n: int, seed: int, image_fraction: float, prompt_words: int, m
                        {"type": "image_url", "image_url": {"url": _image_url(rng)}}]
         else:
             content = f"Continue: {text}"
-        out.append({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                    "ignore_eos": True})
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        if ignore_eos:
+            body["ignore_eos"] = True
+        out.append(body)
     return out
 
 
@@ -104,7 +109,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
     t0 = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    tokens = 0
+    tokens = pieces = 0
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -119,7 +124,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
-                    if "content" in choice.get("delta", {}):
+                    if choice.get("delta", {}).get("content"):
+                        pieces += 1
                         now = time.perf_counter()
                         if first is None:
                             first = now
@@ -131,7 +137,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
     end = time.perf_counter()
     if first is None:
         return Result(False, error="no tokens")
-    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens)
+    # servers that ignore include_usage: count content chunks (one token each, or fewer chunks than
+    # tokens where the detokenizer holds back a partial character, so never an overcount)
+    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens or pieces)
 
 
 async def run_level(base: str, bodies: list[dict], concurrency: int | None, rate: float | None, seed: int,
