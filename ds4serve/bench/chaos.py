@@ -224,6 +224,13 @@ def _refusal(p: Planned, status: int, data: dict) -> Outcome:
 
 async def _one(client, base: str, table, p: Planned, timeout_s: float, watcher: _PassWatcher | None) -> Outcome:
     await asyncio.sleep(p.delay_s)
+    try:
+        return await _send(client, base, table, p, timeout_s, watcher)
+    except httpx.TransportError as exc:  # the server dropped or refused the connection: a finding
+        return Outcome(p.index, p.action, "error", f"connection failed: {type(exc).__name__}: {exc}")
+
+
+async def _send(client, base: str, table, p: Planned, timeout_s: float, watcher: _PassWatcher | None) -> Outcome:
     url = base + "/v1/chat/completions"
     if p.action == "malformed":
         r = await client.post(url, content=BAD_BODIES[p.bad], headers={"content-type": "application/json"})
@@ -243,7 +250,9 @@ async def _one(client, base: str, table, p: Planned, timeout_s: float, watcher: 
 
 
 async def _storm(base: str, table, plan: list[Planned], timeout_s: float, engine=None) -> list[Outcome]:
-    limits = httpx.Limits(max_connections=len(plan) + 8)
+    # every request on its own connection, like many separate users: reusing idle keep-alive connections
+    # races the server closing them (a client-side ReadError that says nothing about the server)
+    limits = httpx.Limits(max_connections=len(plan) + 8, max_keepalive_connections=0)
     watcher = _PassWatcher(engine) if engine is not None else None
     polling = asyncio.ensure_future(watcher.run()) if watcher else None
     try:
@@ -317,6 +326,9 @@ def run(model: Path | None, seed: int, n: int, log_path: Path | None) -> Report:
     from ..server.inprocess import serve
     from ..tiny.random_model import default_model
 
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
     path, random_weights = (Path(model), False) if model else default_model()
     with serve(path, settings=CHAOS_SETTINGS, random_weights=random_weights) as srv:
         report = run_chaos(srv, seed, n, log_path)
