@@ -119,3 +119,4 @@ def test_requests_needing_the_whole_pool_make_progress(llm_factory):
     assert core.scheduler.stats["preempt_drop"] > 0, core.scheduler.stats
     assert [list(r.output_ids) for r in reqs] == want
     assert core.leaks() == ""
+

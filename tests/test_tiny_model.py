@@ -125,3 +125,56 @@ def test_readme_sample_through_the_api(tmp_path):
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": "What colour is the triangle?"}]}])
         assert out.choices[0].message.content == (Path(BUNDLED) / "sample_answer.txt").read_text().strip()
+
+
+def test_prefill_page_deadlock_is_broken(tok, monkeypatch):
+    """Six three-image requests (two pages each) in a four-page pool, their images held back: each
+    prefills the text before its first image and holds a page, then the images arrive and every
+    request is prefilling and needs a page another one holds. The scheduler must preempt (not wait
+    forever: the chaos storm found this) and every answer must equal its solo run."""
+    import random
+    import threading
+
+    from ds4serve.engine.encoder import EncoderWorker
+    from ds4serve.llm import LLM
+    from ds4serve.tiny.data import Example, random_scene
+
+    gate = threading.Event()
+    encode = EncoderWorker._encode
+    rng = random.Random(5)
+    exs = [Example("compare", "Which image has more shapes?", "", [random_scene(rng) for _ in range(3)])
+           for _ in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    core = LLM(BUNDLED, max_seqs=6, kv_budget=256, host_budget="1MB", step_tokens=16, max_prefill_tokens=256).core
+    assert core.cache.state.n_pages == 4
+    monkeypatch.setattr(EncoderWorker, "_encode", lambda self, job: (gate.wait(30), encode(self, job))[1])  # after warm-up
+    pipeline = ImagePipeline.for_engine(core, tok)
+    reqs = []
+    for ex in exs:
+        ids, images = prepare(core, tok, pipeline, ex)
+        reqs.append(core.make_request(ids, params, images=images))
+    assert all(core.cache.layout.pages_for(r.total_len) == 2 for r in reqs)
+    for r in reqs:
+        core.add(r)
+    for _ in range(3):
+        core.step()
+    assert core.cache.free_pages == 0 and all(r.output_ids == [] for r in reqs)
+    gate.set()
+    for r in reqs:
+        assert all(h.ready.wait(30) for h in r.encoded)
+    for _ in range(2000):
+        if not core.has_work:
+            break
+        core.step()
+    assert not core.has_work, [(r.status.value, r.computed, r.total_len) for r in reqs]
+    stats = core.scheduler.stats
+    assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
+    assert core.leaks() == ""
+    solo_core = LLM(BUNDLED, max_seqs=1).core
+    solo_pipeline = ImagePipeline.for_engine(solo_core, tok)
+    for ex, r in zip(exs, reqs):
+        ids, images = prepare(solo_core, tok, solo_pipeline, ex)
+        alone = solo_core.make_request(ids, params, images=images)
+        solo_core.add(alone)
+        solo_core.run_until_idle()
+        assert list(r.output_ids) == list(alone.output_ids)

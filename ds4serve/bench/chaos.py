@@ -317,8 +317,10 @@ def run_chaos(srv, seed: int, n: int, log_path: Path | None = None, spread_s: fl
     return Report(seed, n, counts, problems, delta, time.time() - t0)
 
 
+# Small on purpose: 6 slots and 4 pages force suspension, recompute and page contention; a queue of 128
+# turns overload into clean 503s rather than minute-long waits that would read as stalls.
 CHAOS_SETTINGS = {"max_seqs": 6, "kv_budget": 256, "host_budget": "120KB", "step_tokens": 16,
-                  "max_prefill_tokens": 256, "max_queue": 512, "max_model_len": 256}
+                  "max_prefill_tokens": 256, "max_queue": 128, "max_model_len": 256}
 
 
 def run(model: Path | None, seed: int, n: int, log_path: Path | None) -> Report:

@@ -80,6 +80,7 @@ class Scheduler:
         self.cancelled_passes: list[int] = []  # passes the engine must forget (drained by the loop)
         self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
                       "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0}
+        self._page_starved = False  # set by planning when a prefill chunk could not get its pages
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -143,8 +144,17 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         self._resume_parked()
         self._admit_waiting()
-        decodes = self._plan_decodes()
-        passes = self._plan_prefill(n_decoders=len(decodes))
+        while True:
+            self._page_starved = False
+            decodes = self._plan_decodes()
+            passes = self._plan_prefill(n_decoders=len(decodes))
+            if decodes or passes or not self._page_starved or len(self.running) < 2:
+                break
+            # every running request is prefilling and none can get pages for its next chunk: nobody
+            # would ever move again (each holds pages the others need). Free the newest so the
+            # oldest goes on; nothing was reserved by the empty plan, so planning again is safe.
+            if not self._preempt_newest(holding_pages=True):
+                break
         plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes))
         return None if plan.is_empty else plan
 
@@ -215,9 +225,14 @@ class Scheduler:
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler) for r in decoders]
 
-    def _preempt_newest(self) -> bool:
-        """Free the newest running request's slot and pages (suspend > drop > fail)."""
+    def _preempt_newest(self, holding_pages: bool = False) -> bool:
+        """Free the newest running request's slot and pages (suspend > drop > fail); with
+        ``holding_pages``, the newest that owns pages (preempting one that owns none frees nothing)."""
         victims = [r for r in self.running if r.pass_id is None]
+        if holding_pages:
+            victims = [r for r in victims if self.cache.state.pages.owned(r.slot) > 0]
+            if len(victims) < 2:
+                return False  # a lone holder can always get the rest of the pool: keep it
         if not victims:
             return False
         victim = victims[-1]
@@ -269,6 +284,8 @@ class Scheduler:
                         continue
                     if self.cache.reserve({req.slot: req.computed + n}):
                         group.append((req, self._member(req, n)))
+                    else:
+                        self._page_starved = True
                     continue
                 n = min(n, tokens_left)  # a text stretch before the next block: an ordinary chunk
             else:
@@ -278,7 +295,10 @@ class Scheduler:
                 # one whole chunk as a pass, as many layers as the budget holds
                 n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
                         else tokens_left)
-            if n <= 0 or not self.cache.reserve({req.slot: req.computed + n}):
+            if n <= 0:
+                continue
+            if not self.cache.reserve({req.slot: req.computed + n}):
+                self._page_starved = True
                 continue
             layers = max(1, min(L, max(budget, floor) // n)) if by_layers else L
             slices.append(self._new_pass([req], (self._member(req, n),), layers))
