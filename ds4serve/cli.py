@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--model", type=Path, default=None)
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--requests", type=int, default=2000)
+    ch.add_argument("--rate", type=float, default=8.0, help="arrivals per second (the tiny pool serves ~6/s)")
     ch.add_argument("--log", type=Path, default=Path("chaos.jsonl"), help="every request and its outcome (replay)")
     img = bsub.add_parser("images", help="text-stream pauses while image requests prefill; concurrency gain")
     img.add_argument("--model", type=Path, default=None, help="a DS4V checkpoint (default: the bundled model)")
@@ -261,7 +262,7 @@ def _bench(args) -> int:
     if args.bench_command == "chaos":
         from .bench.chaos import run as run_chaos
 
-        report = run_chaos(args.model, args.seed, args.requests, args.log)
+        report = run_chaos(args.model, args.seed, args.requests, args.log, rate=args.rate)
         return 0 if report.ok else 1
     if args.bench_command == "images":
         from .bench.images_bench import run as run_images

@@ -323,17 +323,22 @@ CHAOS_SETTINGS = {"max_seqs": 6, "kv_budget": 256, "host_budget": "120KB", "step
                   "max_prefill_tokens": 256, "max_queue": 128, "max_model_len": 256}
 
 
-def run(model: Path | None, seed: int, n: int, log_path: Path | None) -> Report:
-    """``ds4serve bench chaos``: start an in-process server on ``model`` with tight memory and storm it."""
-    from ..server.inprocess import serve
-    from ..tiny.random_model import default_model
+def run(model: Path | None, seed: int, n: int, log_path: Path | None, rate: float = 8.0) -> Report:
+    """``ds4serve bench chaos``: start an in-process server on ``model`` with tight memory and storm it
+    with ``n`` requests arriving at about ``rate`` per second.
 
+    The default model is the random placeholder: its byte tokenizer makes prompts long enough that
+    sequences cross page boundaries and the tiny pool must suspend and recompute (the bundled model's
+    BPE prompts are short and rarely do)."""
     import logging
 
+    from ..server.inprocess import serve
+    from ..tiny.random_model import ensure_random_checkpoint
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the report
-    path, random_weights = (Path(model), False) if model else default_model()
+    path, random_weights = (Path(model), False) if model else (ensure_random_checkpoint(), True)
     with serve(path, settings=CHAOS_SETTINGS, random_weights=random_weights) as srv:
-        report = run_chaos(srv, seed, n, log_path)
+        report = run_chaos(srv, seed, n, log_path, spread_s=n / rate)
     print(f"chaos seed {seed}: {n} requests in {report.elapsed_s:.0f} s; outcomes {report.counts}; engine "
           f"{ {k: v for k, v in report.engine_stats.items() if v} }")
     print("PASS" if report.ok else "FAIL:\n  " + "\n  ".join(report.problems))
