@@ -195,8 +195,8 @@ def create_app(state: ServerState) -> FastAPI:
         card = {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "ds4serve",
                 "max_model_len": state.engine.core.limits.max_model_len}
         if state.random_weights:
-            card["ds4serve_note"] = ("random placeholder weights: answers are noise until the bundled tiny DS4V "
-                                     "model ships")
+            card["ds4serve_note"] = ("random placeholder weights: answers are noise (the trained tiny DS4V is "
+                                     "models/ds4v-tiny)")
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions", summary="chat completions (streaming or not)")

@@ -56,8 +56,8 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
         log.info("images enabled: %d-token cap per image, remote URLs %s", cfg.vision.max_n_token,
                  f"from {', '.join(image_hosts)}" if image_hosts else "disabled (data: URLs only)")
     if random_weights:
-        log.warning("serving %s with RANDOM placeholder weights (answers are noise); the trained tiny DS4V model "
-                    "replaces it once bundled", name)
+        log.warning("serving %s with RANDOM placeholder weights (answers are noise): for tests and load runs; "
+                    "the trained tiny DS4V is models/ds4v-tiny", name)
     return state
 
 
