@@ -15,7 +15,7 @@ from ds4serve.chat import Tokenizer
 from ds4serve.engine.sampling import SamplingParams
 from ds4serve.multimodal.pipeline import ImagePipeline
 from ds4serve.tiny.data import examples
-from ds4serve.tiny.evaluate import answer_text, prepare
+from ds4serve.tiny.evaluate import answer_text, prepare, run_examples
 from ds4serve.tiny.random_model import BUNDLED
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "model.safetensors").exists(), reason="bundled model not present")
@@ -45,23 +45,10 @@ def _run(core, tok, exs, in_flight: int, grow: bool = False):
     """Answer ``exs`` with ``in_flight`` requests live at a time. ``grow`` keeps decoding past the answer
     (ignore_eos) so sequences outgrow their pages and a small pool must evict; the answer is the text
     before the first end-of-sentence token either way."""
-    pipeline = ImagePipeline.for_engine(core, tok)
     params = SamplingParams(max_tokens=48 if grow else 24, temperature=0, ignore_eos=grow)
-    pending, live, answers = list(enumerate(exs)), {}, {}
-    while pending or live:
-        while pending and len(live) < in_flight:
-            i, ex = pending.pop(0)
-            ids, images = prepare(core, tok, pipeline, ex)
-            req = core.make_request(ids, params, images=images)
-            core.add(req)
-            live[req.request_id] = (i, req)
-        for out in core.step():
-            if out.finished and out.request_id in live:
-                i, req = live.pop(out.request_id)
-                ids = list(req.output_ids)
-                answers[i] = answer_text(tok, ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids)
+    outputs = run_examples(core, tok, ImagePipeline.for_engine(core, tok), exs, in_flight, params)
     assert core.leaks() == ""
-    return [answers[i] for i in range(len(exs))]
+    return [answer_text(tok, ids[:ids.index(tok.eos_id)] if tok.eos_id in ids else ids) for ids in outputs]
 
 
 def test_answers_correct_and_equal_to_solo_under_concurrency(make_llm, tok):

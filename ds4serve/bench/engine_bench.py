@@ -58,12 +58,13 @@ class Row:
         return self.ours_tok_s / self.hf_tok_s if self.hf_tok_s else None
 
 
-def make_checkpoint(root: Path) -> Path:
-    """Appendix A with random weights, written by transformers (the same init the spec measured)."""
+def make_checkpoint(root: Path, **overrides) -> Path:
+    """Appendix A (with ``overrides``) and random weights, written by transformers (the same init the
+    spec measured)."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(dict(APPENDIX_A)))
+    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(dict(APPENDIX_A, **overrides)))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, buf in model.named_buffers():

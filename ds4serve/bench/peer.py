@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .engine_bench import APPENDIX_A
+from .engine_bench import make_checkpoint as make_weights
 from .serve_bench import make_requests, run_level, summarise
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
@@ -38,23 +38,12 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<
 
 
 def make_checkpoint(root: Path) -> Path:
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
+    """bench engine's Appendix A checkpoint plus a byte tokenizer and a DS4 chat template, so an
+    OpenAI-compatible server (ours or transformers') can serve it."""
     from ..tiny.byte_tokenizer import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
-    config = dict(APPENDIX_A, vocab_size=264, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(config))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("tid2eid"):
-                buf.copy_(torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(buf.shape[0])]))
-        for name, p in model.named_parameters():
-            if name.endswith(("sinks", "position_bias")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    model.save_pretrained(root, safe_serialization=True)
+    make_weights(root, vocab_size=264, bos_token_id=0, eos_token_id=1)
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<｜begin▁of▁sentence｜>",

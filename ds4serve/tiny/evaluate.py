@@ -45,19 +45,13 @@ def answer_text(tok: Tokenizer, ids: list[int]) -> str:
     return (d.push([i for i in ids if i != tok.eos_id]) + d.flush()).strip()
 
 
-def evaluate(model: Path, n: int = 500, in_flight: int = 16, seed: int = HELD_OUT_SEED, llm=None) -> dict:
-    """Per-task and overall exact match; ``llm`` may be passed to reuse a loaded model."""
-    from ..llm import LLM
-
-    llm = llm or LLM(model, max_seqs=in_flight, max_model_len=512)
-    core, tok = llm.core, Tokenizer(model)
-    pipeline = ImagePipeline.for_engine(core, tok)
-    exs = examples(seed, n)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+def run_examples(core, tok: Tokenizer, pipeline: ImagePipeline, exs: list[Example], in_flight: int,
+                 params: SamplingParams) -> list[list[int]]:
+    """Every example's output token ids, keeping ``in_flight`` requests live in ``core`` at a time
+    (a new one joins as soon as one finishes, like traffic on the server)."""
     pending = list(enumerate(exs))
     live: dict[str, tuple[int, object]] = {}
-    answers: dict[int, str] = {}
-    t0 = time.time()
+    outputs: dict[int, list[int]] = {}
     while pending or live:
         while pending and len(live) < in_flight:
             i, ex = pending.pop(0)
@@ -70,7 +64,21 @@ def evaluate(model: Path, n: int = 500, in_flight: int = 16, seed: int = HELD_OU
                 i, req = live.pop(out.request_id)
                 if out.finish_reason == "error":
                     raise RuntimeError(f"example {i} failed: {out.error}")
-                answers[i] = answer_text(tok, list(req.output_ids))
+                outputs[i] = list(req.output_ids)
+    return [outputs[i] for i in range(len(exs))]
+
+
+def evaluate(model: Path, n: int = 500, in_flight: int = 16, seed: int = HELD_OUT_SEED, llm=None) -> dict:
+    """Per-task and overall exact match; ``llm`` may be passed to reuse a loaded model."""
+    from ..llm import LLM
+
+    llm = llm or LLM(model, max_seqs=in_flight, max_model_len=512)
+    core, tok = llm.core, Tokenizer(model)
+    pipeline = ImagePipeline.for_engine(core, tok)
+    exs = examples(seed, n)
+    t0 = time.time()
+    outputs = run_examples(core, tok, pipeline, exs, in_flight, SamplingParams(max_tokens=12, temperature=0.0))
+    answers = {i: answer_text(tok, ids) for i, ids in enumerate(outputs)}
     elapsed = time.time() - t0
     leaks = core.leaks()
     by_task: dict[str, list[bool]] = defaultdict(list)
