@@ -47,9 +47,9 @@ def pool_windows(slots: torch.Tensor, valid: torch.Tensor, overlap: bool, ratio:
     return rms_norm(pooled, norm_weight, eps)
 
 
-def finish_rows(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def finish_rows(pooled: torch.Tensor, rot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """RoPE at each window's start position, then cast to the pool dtype."""
-    return apply_rope(pooled, cos, sin).to(dtype)
+    return apply_rope(pooled, rot).to(dtype)
 
 
 def indexer_scores(q_idx: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,

@@ -22,7 +22,7 @@ from .compressor import finish_rows, indexer_scores, pool_windows, select_top_ro
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import route, run_experts, swiglu
 from .norms import rms_norm, rms_norm_unweighted
-from .rope import apply_rope, cos_sin, inverse_frequencies
+from .rope import apply_rope, inverse_frequencies, rotations
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -57,11 +57,11 @@ class HyperConnection(nn.Module):
 
 @dataclass(frozen=True)
 class RopeTables:
-    """cos/sin computed once per forward and shared by all layers of that forward."""
+    """Complex rotations computed once per forward and shared by all layers of that forward."""
 
-    main: tuple[torch.Tensor, torch.Tensor]
-    compress: tuple[torch.Tensor, torch.Tensor]
-    emit: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]]
+    main: torch.Tensor
+    compress: torch.Tensor
+    emit: dict[tuple[int, bool], torch.Tensor]
 
 
 class Scorer(nn.Module):
@@ -109,8 +109,7 @@ class Compressor(nn.Module):
         self._emit(x, view, rope, key, ix.kv_proj, ix.gate_proj, ix.position_bias, ix.kv_norm,
                    st.idx_ring, st.idx_pool)
         n_tok = x.shape[0]
-        cos, sin = rope.compress
-        q_idx = apply_rope(ix.q_b_proj(qr).view(n_tok, self.cfg.index_n_heads, -1), cos, sin)
+        q_idx = apply_rope(ix.q_b_proj(qr).view(n_tok, self.cfg.index_n_heads, -1), rope.compress)
         head_w = ix.scorer.weights_proj(x).float() * (self.cfg.index_n_heads**-0.5)
         scores = indexer_scores(q_idx, gather_rows(st.idx_pool, vis.rows), head_w, vis.valid)
         cols, ok = select_top_rows(scores, self.cfg.index_topk)
@@ -122,8 +121,7 @@ class Compressor(nn.Module):
         if ci.emit_rows.shape[0]:
             slots = gather_rows(torch.cat((ring, states)), ci.emit_slots)
             pooled = pool_windows(slots, ci.emit_valid, self.overlap, self.ratio, norm.weight, self.cfg.rms_norm_eps)
-            cos, sin = rope.emit[key]
-            pool.index_copy_(0, ci.emit_rows, finish_rows(pooled, cos, sin, pool.dtype))
+            pool.index_copy_(0, ci.emit_rows, finish_rows(pooled, rope.emit[key], pool.dtype))
         ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
 
 
@@ -146,11 +144,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, view: BatchView, st: LayerState, rope: RopeTables) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         n_tok = x.shape[0]
-        cos, sin = rope.main if self.sliding else rope.compress
+        rot = rope.main if self.sliding else rope.compress
         qr = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
         q = rms_norm_unweighted(self.q_b_proj(qr).view(n_tok, cfg.num_heads, cfg.head_dim), eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), cos, sin)
+        q = apply_rope(q, rot)
+        kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), rot)
         keys = gather_rows(torch.cat((st.swa, kv)), view.swa_keys)
         valid = view.swa_valid
         st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))
@@ -158,7 +156,7 @@ class Attention(nn.Module):
             ckeys, cvalid = self.compressor(x, qr, view, st, rope)
             keys, valid = torch.cat((keys, ckeys), dim=1), torch.cat((valid, cvalid), dim=1)
         out = sink_attention(q, keys, valid, self.sinks, cfg.head_dim**-0.5)
-        out = apply_rope(out, cos, sin, inverse=True)
+        out = apply_rope(out, rot, inverse=True)
         return self.o_b_proj(self._grouped_out(out))
 
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -304,10 +302,10 @@ class DS4ForCausalLM(nn.Module):
         return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def rope_tables(self, view: BatchView) -> RopeTables:
-        main = cos_sin(view.positions, self.inv_freq_main, self.cfg.rope_main.attention_factor)
+        main = rotations(view.positions, self.inv_freq_main, self.cfg.rope_main.attention_factor)
         af = self.cfg.rope_compress.attention_factor
-        comp = cos_sin(view.positions, self.inv_freq_compress, af)
-        emit = {key: cos_sin(ci.emit_pos, self.inv_freq_compress, af) for key, ci in view.compress.items()}
+        comp = rotations(view.positions, self.inv_freq_compress, af)
+        emit = {key: rotations(ci.emit_pos, self.inv_freq_compress, af) for key, ci in view.compress.items()}
         return RopeTables(main=main, compress=comp, emit=emit)
 
     def forward_layers(self, streams: torch.Tensor, view: BatchView, states: Sequence[LayerState],

@@ -88,14 +88,15 @@ def run_experts(
 
 
 def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
+    """Every expert on every token; the routing weights (zero for unselected experts) scale the
+    activations before the down projection, so the weighted sum over experts is one reduction."""
     n_tok = x.shape[0]
     n_exp, two_i, _ = gate_up.shape
     h = F.linear(x, gate_up.reshape(n_exp * two_i, -1)).view(n_tok, n_exp, two_i)
     g, u = h.chunk(2, dim=-1)
-    act = swiglu(g, u, limit).transpose(0, 1)  # [E, T, I]
-    y = torch.bmm(act, down.transpose(1, 2))  # [E, T, D]
-    dense_w = torch.zeros(n_tok, n_exp, dtype=y.dtype, device=x.device).scatter_(1, idx, weights.to(y.dtype))
-    return torch.einsum("te,etd->td", dense_w, y)
+    dense_w = torch.zeros(n_tok, n_exp, dtype=h.dtype, device=x.device).scatter_(1, idx, weights.to(h.dtype))
+    act = swiglu(g, u, limit) * dense_w.unsqueeze(-1)  # [T, E, I]
+    return torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).sum(dim=0)
 
 
 @torch.compiler.disable

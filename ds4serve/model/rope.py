@@ -42,30 +42,31 @@ def _yarn_correction_range(params: RopeParams, dim: int) -> tuple[float, float]:
     return max(low, 0), min(high, dim - 1)
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0):
-    """fp32 ``(cos, sin)`` of shape ``[*positions.shape, rope_dim // 2]``."""
+def rotations(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> torch.Tensor:
+    """Per-position rotations ``[*positions.shape, rope_dim // 2]`` as complex64 ``cos + i sin``
+    (scaled by ``attention_factor``): one complex multiply then rotates a pair, which is the same
+    arithmetic as the real form (``x0 c - x1 s``, ``x1 c + x0 s``) in a third of the op dispatches."""
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     cos, sin = freqs.cos(), freqs.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    return cos, sin
+    return torch.complex(cos, sin)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` (interleaved pairs).
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2 * rot.shape[-1]`` channels of ``x`` (interleaved pairs).
 
-    ``x`` is ``[N, ..., dim]`` and ``cos``/``sin`` are ``[N, rope_dim // 2]``; middle axes (heads)
+    ``x`` is ``[N, ..., dim]`` and ``rot`` is complex ``[N, rope_dim // 2]``; middle axes (heads)
     broadcast. ``inverse`` rotates by ``-pos`` (used on the attention output, because V == K
     carries the key's rotation).
     """
-    half = cos.shape[-1]
+    half = rot.shape[-1]
     rope_dim = 2 * half
-    lead = x.shape[:-1]
-    view_shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.reshape(view_shape), sin.reshape(view_shape)
+    r = rot.reshape((rot.shape[0],) + (1,) * (x.dim() - 2) + (half,))
     if inverse:
-        s = -s
-    rot = x[..., -rope_dim:].float().reshape(*lead, half, 2)
-    x0, x1 = rot[..., 0], rot[..., 1]
-    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).reshape(*lead, rope_dim).to(x.dtype)
+        r = r.conj()
+    pairs = x[..., -rope_dim:].float().reshape(*x.shape[:-1], half, 2)
+    if pairs.stride(-2) % 2 or pairs.storage_offset() % 2:  # view_as_complex needs aligned pairs
+        pairs = pairs.contiguous()
+    out = torch.view_as_real(torch.view_as_complex(pairs) * r).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-rope_dim], out), dim=-1)
