@@ -1,7 +1,9 @@
 """``ds4serve bench engine``: decode throughput at several concurrency levels, side by side with
 transformers' batched ``generate`` on the same weights (spec Appendix A config, random weights).
 
-A benchmark, not a test: it prints figures and ratios measured in one run on this machine. Decode
+A benchmark, not a test: it prints figures and ratios measured in one run on this machine, the two
+engines interleaved round by round (median of ``--rounds``) so drift in a shared machine's speed
+does not favour whichever side ran first. Decode
 throughput counts only steps where every stream decodes (prefill excluded) for ds4serve, and
 ``total - prefill`` for transformers (its prefill timed separately with ``max_new_tokens=1``).
 """
@@ -77,70 +79,96 @@ def make_checkpoint(root: Path, **overrides) -> Path:
     return root
 
 
-def bench_ours(path: Path, streams: list[int], prompt_len: int, new_tokens: int) -> dict[int, tuple[float, float]]:
-    from ..llm import LLM
-    from ..engine.sampling import SamplingParams
+class _Ours:
+    """ds4serve's engine on the checkpoint; one call = one round of ``n`` streams."""
 
-    llm = LLM(path, max_seqs=max(streams), max_model_len=prompt_len + new_tokens + 8,
-              max_prefill_tokens=max(1024, prompt_len), step_tokens=max(streams) + 64)
-    core = llm.core
-    gen = torch.Generator().manual_seed(5)
-    out = {}
-    for n in streams:
-        for _ in range(2):  # first round warms allocator and caches; keep the second
-            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-            for _ in range(n):
-                core.add(core.make_request(torch.randint(2, 1000, (prompt_len,), generator=gen).tolist(), params))
-            core.history.clear()
-            core.run_until_idle()
-            steps = [h for h in core.history if h.prefill_rows == 0 and h.decode_rows == n]
-            if not steps:
-                raise RuntimeError(f"no pure decode steps at {n} streams")
-            total = sum(h.elapsed_s for h in steps)
-            out[n] = (n * len(steps) / total, 1000 * statistics.median(h.elapsed_s for h in steps))
-    return out
+    def __init__(self, path: Path, max_streams: int, prompt_len: int, new_tokens: int):
+        from ..llm import LLM
+
+        self.llm = LLM(path, max_seqs=max_streams, max_model_len=prompt_len + new_tokens + 8,
+                       max_prefill_tokens=max(1024, prompt_len), step_tokens=max_streams + 64)
+        self.prompt_len, self.new_tokens = prompt_len, new_tokens
+        self.gen = torch.Generator().manual_seed(5)
+
+    def __call__(self, n: int) -> tuple[float, float]:
+        from ..engine.sampling import SamplingParams
+
+        core = self.llm.core
+        params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
+        for _ in range(n):
+            core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
+        core.history.clear()
+        core.run_until_idle()
+        steps = [h for h in core.history if h.prefill_rows == 0 and h.decode_rows == n]
+        if not steps:
+            raise RuntimeError(f"no pure decode steps at {n} streams")
+        return n * len(steps) / sum(h.elapsed_s for h in steps), 1000 * statistics.median(h.elapsed_s for h in steps)
 
 
-def bench_hf(path: Path, streams: list[int], prompt_len: int, new_tokens: int) -> dict[int, tuple[float, float]]:
-    from transformers import DeepseekV4ForCausalLM
+class _Transformers:
+    """transformers' batched ``generate`` on the same checkpoint; decode = total - prefill."""
 
-    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(5)
-    out = {}
-    for n in streams:
-        ids = torch.randint(2, 1000, (n, prompt_len), generator=gen)
+    def __init__(self, path: Path, prompt_len: int, new_tokens: int):
+        from transformers import DeepseekV4ForCausalLM
+
+        self.model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.prompt_len, self.new_tokens = prompt_len, new_tokens
+        self.gen = torch.Generator().manual_seed(5)
+
+    def __call__(self, n: int) -> tuple[float, float]:
+        ids = torch.randint(2, 1000, (n, self.prompt_len), generator=self.gen)
         kw = dict(do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
             t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
             prefill = time.perf_counter() - t
             t = time.perf_counter()
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            self.model.generate(ids, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, **kw)
             total = time.perf_counter() - t
         decode = max(total - prefill, 1e-9)
-        out[n] = (n * (new_tokens - 1) / decode, 1000 * decode / (new_tokens - 1))
-    return out
+        return n * (self.new_tokens - 1) / decode, 1000 * decode / (self.new_tokens - 1)
+
+
+def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, compare_hf: bool,
+            rounds: int) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
+    """Median over ``rounds`` of (tok/s, step ms) per stream count, ours and transformers'
+    interleaved round by round so that a machine that speeds up or slows down mid-run (shared
+    CPUs do) shifts both sides alike. One unmeasured warm-up round each first."""
+    ours = _Ours(path, max(streams), prompt_len, new_tokens)
+    hf = _Transformers(path, prompt_len, new_tokens) if compare_hf else None
+    runners = [("ours", ours)] + ([("hf", hf)] if hf else [])
+    for _, run_one in runners:
+        run_one(min(streams))
+    samples: dict[str, dict[int, list[tuple[float, float]]]] = {name: {n: [] for n in streams} for name, _ in runners}
+    for _ in range(rounds):
+        for n in streams:
+            for name, run_one in runners:
+                samples[name][n].append(run_one(n))
+
+    def med(xs: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
+
+    return ({n: med(v) for n, v in samples["ours"].items()},
+            {n: med(v) for n, v in samples.get("hf", {}).items()})
 
 
 def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
-        json_path: str | None = None, threads: int | None = None) -> list[Row]:
+        json_path: str | None = None, threads: int | None = None, rounds: int = 3) -> list[Row]:
     if threads:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp))
-        ours = bench_ours(path, streams, prompt_len, new_tokens)
-        hf = bench_hf(path, streams, prompt_len, new_tokens) if compare_hf else {}
+        ours, hf = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds)
     rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
-    print(render(rows, prompt_len, new_tokens))
+    print(render(rows, prompt_len, new_tokens, rounds))
     if json_path:
         Path(json_path).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
     return rows
 
 
-def render(rows: list[Row], prompt_len: int, new_tokens: int) -> str:
+def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1) -> str:
     lines = [f"decode throughput, Appendix A config (random weights), fp32, prompt {prompt_len}, "
-             f"{new_tokens} new tokens, {torch.get_num_threads()} threads",
+             f"{new_tokens} new tokens, {torch.get_num_threads()} threads, median of {rounds} interleaved rounds",
              "",
              "| streams | ds4serve tok/s | ds4serve step ms | transformers tok/s | transformers step ms | ratio |",
              "|---:|---:|---:|---:|---:|---:|"]
