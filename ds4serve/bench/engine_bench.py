@@ -105,6 +105,65 @@ class _Ours:
         return n * len(steps) / sum(h.elapsed_s for h in steps), 1000 * statistics.median(h.elapsed_s for h in steps)
 
 
+    def breakdown(self, n: int, steps: int = 10) -> dict[str, float]:
+        """Where one pure-decode step of ``n`` streams goes: wall time, torch calls made from Python,
+        and the time of replaying only its matrix products. Explains the gap to a target: the
+        products are a floor that fusing the elementwise work cannot remove; the rest is per-op
+        overhead."""
+        from torch.overrides import TorchFunctionMode
+        from torch.profiler import ProfilerActivity, profile
+
+        from ..engine.sampling import SamplingParams
+
+        class _Calls(TorchFunctionMode):
+            count = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                _Calls.count += 1
+                return func(*args, **(kwargs or {}))
+
+        core = self.llm.core
+        params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
+        for _ in range(n):
+            core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
+        while not core.history or core.history[-1].prefill_rows or core.history[-1].decode_rows != n:
+            core.step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        wall = (time.perf_counter() - t) / steps
+        with _Calls():
+            for _ in range(steps):
+                core.step()
+        calls = _Calls.count / steps
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            core.step()
+        core.run_until_idle()
+        products = [(e.name, e.input_shapes) for e in prof.events() if e.name in _PRODUCTS]
+        return {"streams": n, "step_ms": 1000 * wall, "torch_calls": calls, "products": len(products),
+                "products_ms": 1000 * _replay(products)}
+
+
+_PRODUCTS = {"aten::mm": 2, "aten::bmm": 2, "aten::addmm": 3, "aten::baddbmm": 3}
+
+
+def _replay(products: list[tuple[str, list]]) -> float:
+    """Seconds to run just these matrix products (fresh operands of the recorded shapes), best of
+    five: the floor of a step that launches them one by one, whatever else it fuses away."""
+    ops = {"aten::mm": torch.mm, "aten::bmm": torch.bmm, "aten::addmm": torch.addmm, "aten::baddbmm": torch.baddbmm}
+    calls = []
+    for name, shapes in products:
+        args = [torch.randn(shape) for shape in shapes[:_PRODUCTS[name]]]
+        calls.append((ops[name], args))
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for fn, args in calls:
+            fn(*args)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 class _Transformers:
     """transformers' batched ``generate`` on the same checkpoint; decode = total - prefill."""
 
@@ -130,7 +189,7 @@ class _Transformers:
 
 
 def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, compare_hf: bool,
-            rounds: int) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
+            rounds: int) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]], dict[str, float]]:
     """Median over ``rounds`` of (tok/s, step ms) per stream count, ours and transformers'
     interleaved round by round so that a machine that speeds up or slows down mid-run (shared
     CPUs do) shifts both sides alike. One unmeasured warm-up round each first."""
@@ -148,8 +207,9 @@ def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, co
     def med(xs: list[tuple[float, float]]) -> tuple[float, float]:
         return statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
 
-    return ({n: med(v) for n, v in samples["ours"].items()},
-            {n: med(v) for n, v in samples.get("hf", {}).items()})
+    ours_figs = {n: med(v) for n, v in samples["ours"].items()}
+    hf_figs = {n: med(v) for n, v in samples.get("hf", {}).items()}
+    return ours_figs, hf_figs, ours.breakdown(16 if 16 in streams else max(streams))
 
 
 def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
@@ -158,11 +218,13 @@ def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp))
-        ours, hf = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds)
+        ours, hf, split = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds)
     rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
     print(render(rows, prompt_len, new_tokens, rounds))
+    print(render_breakdown(split, rows))
     if json_path:
-        Path(json_path).write_text(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=1))
+        Path(json_path).write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+                                               "breakdown": split}, indent=1))
     return rows
 
 
@@ -184,3 +246,14 @@ def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1) -
     if 16 in by and by[16].ratio:
         lines.append(f"ds4serve at 16 streams vs transformers at batch 16: {by[16].ratio:.2f}x (target >= 5)")
     return "\n".join(lines)
+
+
+def render_breakdown(split: dict[str, float], rows: list[Row]) -> str:
+    """One line on where a decode step's time goes, and what the 5x target leaves for it."""
+    line = (f"one {split['streams']}-stream decode step: {split['step_ms']:.1f} ms, {split['torch_calls']:.0f} torch "
+            f"calls from Python; replaying only its {split['products']} matrix products takes "
+            f"{split['products_ms']:.1f} ms")
+    hf = {r.streams: r for r in rows}.get(split["streams"])
+    if hf and hf.hf_step_ms:
+        line += f"; 5x transformers needs a {hf.hf_step_ms / 5:.1f} ms step"
+    return line
