@@ -128,10 +128,12 @@ class _Ours:
             core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
         while not core.history or core.history[-1].prefill_rows or core.history[-1].decode_rows != n:
             core.step()
-        t = time.perf_counter()
+        times = []
         for _ in range(steps):
+            t = time.perf_counter()
             core.step()
-        wall = (time.perf_counter() - t) / steps
+            times.append(time.perf_counter() - t)
+        wall = statistics.median(times)
         with _Calls():
             for _ in range(steps):
                 core.step()
@@ -139,12 +141,21 @@ class _Ours:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             core.step()
         core.run_until_idle()
-        products = [(e.name, e.input_shapes) for e in prof.events() if e.name in _PRODUCTS]
+        products = [(e.name, e.input_shapes) for e in prof.events()
+                    if e.name in _PRODUCTS and _flops(e.name, e.input_shapes) >= 100_000]
         return {"streams": n, "step_ms": 1000 * wall, "torch_calls": calls, "products": len(products),
                 "products_ms": 1000 * _replay(products)}
 
 
 _PRODUCTS = {"aten::mm": 2, "aten::bmm": 2, "aten::addmm": 3, "aten::baddbmm": 3}
+
+
+def _flops(name: str, shapes: list) -> int:
+    """2 * m * n * k (* batch) of a recorded product; the tiny ones (mHC's 4x4 Sinkhorn
+    normalisers) are per-op overhead, not arithmetic, and a fused kernel would remove them."""
+    a, b = shapes[_PRODUCTS[name] - 2], shapes[_PRODUCTS[name] - 1]
+    batch = a[0] if len(a) == 3 else 1
+    return 2 * batch * a[-2] * a[-1] * b[-1]
 
 
 def _replay(products: list[tuple[str, list]]) -> float:
@@ -251,7 +262,7 @@ def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1) -
 def render_breakdown(split: dict[str, float], rows: list[Row]) -> str:
     """One line on where a decode step's time goes, and what the 5x target leaves for it."""
     line = (f"one {split['streams']}-stream decode step: {split['step_ms']:.1f} ms, {split['torch_calls']:.0f} torch "
-            f"calls from Python; replaying only its {split['products']} matrix products takes "
+            f"calls from Python; replaying only its {split['products']} matrix products of >= 100 kFLOP takes "
             f"{split['products_ms']:.1f} ms")
     hf = {r.streams: r for r in rows}.get(split["streams"])
     if hf and hf.hf_step_ms:
