@@ -1,0 +1,47 @@
+"""bench engine's arithmetic and its step breakdown on a real (small) engine: FLOP classification of
+recorded products, the replayed floor, and the rendered ratios. The full side-by-side run is a
+benchmark (``ds4serve bench engine``), not a test."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4serve.bench.engine_bench import Row, _flops, _Ours, _replay, render, render_breakdown
+
+
+def test_product_flops():
+    assert _flops("aten::mm", [[16, 256], [256, 2048]]) == 2 * 16 * 256 * 2048
+    assert _flops("aten::bmm", [[8, 16, 128], [8, 128, 256]]) == 2 * 8 * 16 * 128 * 256
+    assert _flops("aten::baddbmm", [[1, 1, 1], [16, 4, 4], [16, 4, 1]]) == 2 * 16 * 4 * 4 * 1
+    assert _flops("aten::addmm", [[64], [16, 32], [32, 64]]) == 2 * 16 * 32 * 64
+
+
+def test_replay_times_real_products():
+    assert _replay([]) < 1e-3
+    small = _replay([("aten::mm", [[4, 8], [8, 4]])])
+    big = _replay([("aten::mm", [[256, 512], [512, 512]])] * 4)
+    assert 0 < small < big
+
+
+def test_render_states_targets():
+    rows = [Row(1, 80.0, 12.0, 60.0, 16.0), Row(16, 800.0, 20.0, 640.0, 25.0)]
+    text = render(rows, 128, 64, rounds=3)
+    assert "| 16 | 800 | 20.0 | 640 | 25.0 | 1.25x |" in text
+    assert "16 rows / 1 row: 1.67 (target <= 2)" in text and "1.25x (target >= 5)" in text
+    line = render_breakdown({"streams": 16, "step_ms": 20.0, "torch_calls": 3000.0, "products": 100,
+                             "products_ms": 4.0}, rows)
+    assert "100 matrix products" in line and "needs a 5.0 ms step" in line
+
+
+def test_breakdown_of_a_real_engine(tmp_path):
+    pytest.importorskip("transformers")
+    from ds4serve.bench.engine_bench import make_checkpoint
+
+    path = make_checkpoint(tmp_path)
+    ours = _Ours(path, max_streams=4, prompt_len=8, new_tokens=12)
+    tok_s, step_ms = ours(4)
+    assert tok_s > 0 and step_ms > 0
+    split = ours.breakdown(4, steps=3)
+    assert split["streams"] == 4 and split["torch_calls"] > 100 and split["products"] > 10
+    assert 0 < split["products_ms"] and 0 < split["step_ms"]
+    assert not ours.llm.core.has_work
