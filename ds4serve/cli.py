@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host-budget", default=None, help="host memory for suspended requests (bytes)")
     serve.add_argument("--step-tokens", type=int, default=256, help="step budget in tokens")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
+    serve.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "static", "cuda"],
+                       help="pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     serve.add_argument("--max-body-bytes", type=int, default=48 * 2**20)
     serve.add_argument("--default-max-tokens", type=int, default=1024)
@@ -186,7 +188,7 @@ def _serve(args) -> int:
         served = served or "ds4v-tiny"  # the same id before and after the trained model ships
     settings = EngineSettings(max_seqs=args.max_seqs, max_model_len=args.max_model_len, kv_budget=args.kv_budget,
                               host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue,
-                              image_rows_budget=args.image_rows_budget)
+                              image_rows_budget=args.image_rows_budget, decode_graphs=args.decode_graphs)
     limits = ServerLimits(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                           default_max_tokens=args.default_max_tokens)
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())

@@ -457,6 +457,7 @@ class EngineSettings:
     page_tokens: int | None = None  # raw positions per page (multiple of every compress ratio)
     image_rows_budget: str | int | None = None  # retained encoded image rows (bytes; default 256 MiB)
     warmup: bool = True  # run a warm-up request through every path at start-up
+    decode_graphs: str = "auto"  # pure-decode steps: "auto" (CUDA graphs on CUDA, else off), "off", "static", "cuda"
 
     def __post_init__(self) -> None:
         checks = [
@@ -466,6 +467,8 @@ class EngineSettings:
             (1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
              "min_prefill_tokens must be in [1, max_prefill_tokens]"),
             (self.prefill_mode in ("chunk", "layers"), "prefill_mode must be 'chunk' or 'layers'"),
+            (self.decode_graphs in ("auto", "off", "static", "cuda"),
+             "decode_graphs must be 'auto', 'off', 'static' or 'cuda'"),
             (self.max_queue >= 1, "max_queue must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
         ]

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# property tests are deterministic: the same examples on every run and machine
+settings.register_profile("ds4serve", derandomize=True, deadline=None)
+settings.load_profile("ds4serve")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -50,21 +50,28 @@ def _kw(p: SamplingParams) -> dict:
     return dict(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed, ignore_eos=True)
 
 
+@pytest.mark.parametrize("decode_graphs", ["off", "static"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_sixteen_staggered_requests_equal_solo(seeded, solo, llm_factory):
-    llm = llm_factory("A", max_seqs=16, step_tokens=96, max_prefill_tokens=128)
+def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_factory):
+    """Also with pure-decode steps on fixed-shape padded views (the shapes CUDA graphs replay)."""
+    llm = llm_factory("A", max_seqs=16, step_tokens=96, max_prefill_tokens=128, decode_graphs=decode_graphs)
+    before = llm.core.engine.decode.stats["static_steps"]
     outs, stats = run_staggered(llm, _prompts(), [_params(i, seeded) for i in range(16)])
+    if decode_graphs == "static":
+        assert llm.core.engine.decode.stats["static_steps"] > before + 20
     for i, (got, want) in enumerate(zip(outs, solo[seeded])):
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs from its solo run"
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("host_budget,drops", [("1MB", False), ("400KB", True)])
-def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, solo, llm_factory):
+@pytest.mark.parametrize("host_budget,drops,decode_graphs", [("1MB", False, "off"), ("400KB", True, "off"),
+                                                             ("400KB", True, "static")])
+def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, decode_graphs, solo, llm_factory):
     """A pool for ~3 requests (512 tokens) and a 1 MB (or 400 KB) host budget: requests are suspended
-    to host memory and, once the host budget is full, dropped and recomputed from their tokens."""
+    to host memory and, once the host budget is full, dropped and recomputed from their tokens. With
+    fixed-shape decode views, padded rows write only the scratch page, which no one owns."""
     llm = llm_factory("A", max_seqs=16, kv_budget=512, host_budget=host_budget, step_tokens=64,
-                      max_prefill_tokens=64)
+                      max_prefill_tokens=64, decode_graphs=decode_graphs)
     outs, stats = run_staggered(llm, _prompts(), [_params(i, seeded) for i in range(16)], every=1)
     assert stats["preempt_suspend"] > 0, stats
     if drops:

@@ -40,7 +40,9 @@ class ModelState:
         dev, dt = self.device, self.layout.dtype
         st = LayerState(swa=torch.zeros(n_slots * ly.window, ly.head_dim, dtype=dt, device=dev))
         if ly.ratio:
-            rows = n_pages * self.layout.rows_per_page(ly.ratio)
+            # one page past the budget: the scratch page that padded rows of fixed-shape decode
+            # forwards write to (never handed out, never read)
+            rows = (n_pages + 1) * self.layout.rows_per_page(ly.ratio)
             st.comp_ring = torch.zeros(n_slots * ly.span, ly.comp_width, dtype=torch.float32, device=dev)
             st.comp_pool = torch.zeros(rows, ly.head_dim, dtype=dt, device=dev)
             if ly.overlap:
@@ -51,6 +53,10 @@ class ModelState:
     @property
     def n_pages(self) -> int:
         return self.pages.n_pages
+
+    def scratch_row(self, ratio: int) -> int:
+        """First pool row of the scratch page for layers of compress ``ratio``."""
+        return self.n_pages * self.layout.rows_per_page(ratio)
 
     def allocated_bytes(self) -> int:
         total = 0

@@ -21,6 +21,7 @@ from ..cache.manager import CacheManager
 from ..config import ModelConfig
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
+from .decode_graphs import DecodeRunner, resolve_mode
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
 from .sampling import sample_rows
@@ -41,13 +42,19 @@ class StepError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager):
+    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off"):
         self.cfg = cfg
         self.model = model
         self.cache = cache
         self.device = cache.state.device
         self.num_layers = cfg.num_layers
         self._passes: dict[int, _PassState] = {}
+        state = cache.state
+        self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
+                                   cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
+
+    def _decode_forward(self, view: BatchView) -> torch.Tensor:
+        return self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
 
     @property
     def active_passes(self) -> set[int]:
@@ -96,7 +103,9 @@ class Engine:
                 chunks.append(self._member_chunk(m))
                 want.append((m.request_id, m.slot, m.sampler) if m.sample else None)
         view = self._view(chunks)
-        streams = self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
+        streams = self.decode.run(view) if self.decode.enabled and not whole and view.is_image is None else None
+        if streams is None:
+            streams = self._decode_forward(view)
         ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
         pick = [int(e) for e, w in zip(ends, want) if w is not None]
         if pick:

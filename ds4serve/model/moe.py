@@ -107,7 +107,8 @@ def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     order = torch.argsort(flat, stable=True)
     token_of = order // top_k
     x_sorted = x.index_select(0, token_of)
-    counts = torch.bincount(flat, minlength=n_exp)
+    # a scatter-add, not bincount: CUDA's bincount reads the max on the host, which a captured graph forbids
+    counts = torch.zeros(n_exp, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     h = grouped_linear(x_sorted, gate_up, counts)
     g, u = h.chunk(2, dim=-1)
     y = grouped_linear(swiglu(g, u, limit), down, counts)

@@ -102,7 +102,12 @@ class EngineCore:
         layout = StateLayout.build(cfg, dtype, self.settings.page_tokens)
         self.resolved = r = resolve(cfg, self.settings, layout, self.device)
         self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows)
-        self.engine = (engine_factory or Engine)(cfg, model, self.cache)
+        if engine_factory is None:
+            if self.settings.decode_graphs == "cuda" and self.device.type != "cuda":
+                raise ConfigError("decode_graphs='cuda' needs a CUDA device")
+            self.engine = Engine(cfg, model, self.cache, decode_graphs=self.settings.decode_graphs)
+        else:
+            self.engine = engine_factory(cfg, model, self.cache)
         self.limits = SchedulerLimits(
             num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=self.settings.step_tokens,
             max_prefill_tokens=self.settings.max_prefill_tokens, min_prefill_tokens=self.settings.min_prefill_tokens,
@@ -116,10 +121,10 @@ class EngineCore:
         self._ids = itertools.count(1)
         self.history: deque[StepRecord] = deque(maxlen=4096)
         log.info("engine: %s; %d slots, %d pages (%d tokens of compressed state), max_model_len %d, step budget "
-                 "%d tokens x %d layers, prefill chunk <= %d, mode %s",
+                 "%d tokens x %d layers, prefill chunk <= %d, mode %s, decode graphs %s",
                  layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
                  self.settings.step_tokens, cfg.num_layers, self.settings.max_prefill_tokens,
-                 self.settings.prefill_mode)
+                 self.settings.prefill_mode, getattr(getattr(self.engine, "decode", None), "mode", "n/a"))
         if self.settings.warmup:
             self.warmup()
 
