@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
     eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds per stream count (median kept)")
+    eng.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there, fp32)")
     srv = bsub.add_parser("serve", help="load generator for any OpenAI-compatible endpoint (ours or a peer's)")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL")
     srv.add_argument("--launch", action="store_true", help="start `ds4serve serve` (bundled model) for the run")
@@ -242,7 +243,7 @@ def _bench(args) -> int:
         streams = [int(x) for x in args.streams.split(",") if x.strip()]
         run(streams, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
             compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads,
-            rounds=args.rounds)
+            rounds=args.rounds, device=args.device)
         return 0
     if args.bench_command == "serve":
         from .bench.serve_bench import run as run_serve

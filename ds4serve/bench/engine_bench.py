@@ -82,10 +82,11 @@ def make_checkpoint(root: Path, **overrides) -> Path:
 class _Ours:
     """ds4serve's engine on the checkpoint; one call = one round of ``n`` streams."""
 
-    def __init__(self, path: Path, max_streams: int, prompt_len: int, new_tokens: int):
+    def __init__(self, path: Path, max_streams: int, prompt_len: int, new_tokens: int, device: str = "cpu"):
         from ..llm import LLM
 
-        self.llm = LLM(path, max_seqs=max_streams, max_model_len=prompt_len + new_tokens + 8,
+        self.device = torch.device(device)
+        self.llm = LLM(path, device=device, max_seqs=max_streams, max_model_len=prompt_len + new_tokens + 8,
                        max_prefill_tokens=max(1024, prompt_len), step_tokens=max_streams + 64)
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         self.gen = torch.Generator().manual_seed(5)
@@ -144,7 +145,7 @@ class _Ours:
         products = [(e.name, e.input_shapes) for e in prof.events()
                     if e.name in _PRODUCTS and _flops(e.name, e.input_shapes) >= 100_000]
         return {"streams": n, "step_ms": 1000 * wall, "torch_calls": calls, "products": len(products),
-                "products_ms": 1000 * _replay(products)}
+                "products_ms": 1000 * _replay(products, self.device)}
 
 
 _PRODUCTS = {"aten::mm": 2, "aten::bmm": 2, "aten::addmm": 3, "aten::baddbmm": 3}
@@ -158,54 +159,65 @@ def _flops(name: str, shapes: list) -> int:
     return 2 * batch * a[-2] * a[-1] * b[-1]
 
 
-def _replay(products: list[tuple[str, list]]) -> float:
+def _replay(products: list[tuple[str, list]], device: torch.device | str = "cpu") -> float:
     """Seconds to run just these matrix products (fresh operands of the recorded shapes), best of
     five: the floor of a step that launches them one by one, whatever else it fuses away."""
     ops = {"aten::mm": torch.mm, "aten::bmm": torch.bmm, "aten::addmm": torch.addmm, "aten::baddbmm": torch.baddbmm}
     calls = []
     for name, shapes in products:
-        args = [torch.randn(shape) for shape in shapes[:_PRODUCTS[name]]]
+        args = [torch.randn(shape, device=device) for shape in shapes[:_PRODUCTS[name]]]
         calls.append((ops[name], args))
     best = float("inf")
     for _ in range(5):
+        _sync(device)
         t = time.perf_counter()
         for fn, args in calls:
             fn(*args)
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def _sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 class _Transformers:
     """transformers' batched ``generate`` on the same checkpoint; decode = total - prefill."""
 
-    def __init__(self, path: Path, prompt_len: int, new_tokens: int):
+    def __init__(self, path: Path, prompt_len: int, new_tokens: int, device: str = "cpu"):
         from transformers import DeepseekV4ForCausalLM
 
-        self.model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         self.gen = torch.Generator().manual_seed(5)
 
     def __call__(self, n: int) -> tuple[float, float]:
-        ids = torch.randint(2, 1000, (n, self.prompt_len), generator=self.gen)
+        ids = torch.randint(2, 1000, (n, self.prompt_len), generator=self.gen).to(self.device)
         kw = dict(do_sample=False, pad_token_id=0)
         with torch.no_grad():
+            _sync(self.device)
             t = time.perf_counter()
             self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            _sync(self.device)
             prefill = time.perf_counter() - t
             t = time.perf_counter()
             self.model.generate(ids, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, **kw)
+            _sync(self.device)
             total = time.perf_counter() - t
         decode = max(total - prefill, 1e-9)
         return n * (self.new_tokens - 1) / decode, 1000 * decode / (self.new_tokens - 1)
 
 
 def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, compare_hf: bool,
-            rounds: int) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]], dict[str, float]]:
+            rounds: int, device: str = "cpu") -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]], dict[str, float]]:
     """Median over ``rounds`` of (tok/s, step ms) per stream count, ours and transformers'
     interleaved round by round so that a machine that speeds up or slows down mid-run (shared
     CPUs do) shifts both sides alike. One unmeasured warm-up round each first."""
-    ours = _Ours(path, max(streams), prompt_len, new_tokens)
-    hf = _Transformers(path, prompt_len, new_tokens) if compare_hf else None
+    ours = _Ours(path, max(streams), prompt_len, new_tokens, device)
+    hf = _Transformers(path, prompt_len, new_tokens, device) if compare_hf else None
     runners = [("ours", ours)] + ([("hf", hf)] if hf else [])
     for _, run_one in runners:
         run_one(min(streams))
@@ -224,14 +236,14 @@ def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, co
 
 
 def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
-        json_path: str | None = None, threads: int | None = None, rounds: int = 3) -> list[Row]:
+        json_path: str | None = None, threads: int | None = None, rounds: int = 3, device: str = "cpu") -> list[Row]:
     if threads:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp))
-        ours, hf, split = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds)
+        ours, hf, split = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds, device)
     rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
-    print(render(rows, prompt_len, new_tokens, rounds))
+    print(render(rows, prompt_len, new_tokens, rounds, device))
     print(render_breakdown(split, rows))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
@@ -239,9 +251,10 @@ def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare
     return rows
 
 
-def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1) -> str:
+def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1, device: str = "cpu") -> str:
+    where = f"{torch.get_num_threads()} CPU threads" if torch.device(device).type == "cpu" else device
     lines = [f"decode throughput, Appendix A config (random weights), fp32, prompt {prompt_len}, "
-             f"{new_tokens} new tokens, {torch.get_num_threads()} threads, median of {rounds} interleaved rounds",
+             f"{new_tokens} new tokens, {where}, median of {rounds} interleaved rounds",
              "",
              "| streams | ds4serve tok/s | ds4serve step ms | transformers tok/s | transformers step ms | ratio |",
              "|---:|---:|---:|---:|---:|---:|"]
