@@ -156,3 +156,66 @@ def test_cuda_graph_decode_equals_eager(ckpt_factory):
     runner = llm.core.engine.decode
     assert runner.disabled is None, runner.disabled
     assert runner.stats["captures"] > 0 and runner.stats["replays"] > runner.stats["captures"]
+
+
+def test_a_decode_forward_is_idempotent(llm_factory):
+    """The graph self-check replays a step on the inputs it just ran: that is only sound if a decode
+    forward rewrites the same state rows with the same values and reads nothing it wrote."""
+    llm = llm_factory("A", max_seqs=4)
+    cache, engine = llm.core.cache, llm.core.engine
+    slots = [cache.alloc_slot() for _ in range(3)]
+    try:
+        for i, (s, n) in enumerate(zip(slots, (15, 31, 64))):
+            assert cache.reserve({s: n + 1})
+            llm.runner.forward([SeqChunk(s, 0, random_ids(n, 1000, seed=60 + i), cache.block_table(s))])
+        view = engine._view([SeqChunk(s, n, [9], cache.block_table(s)) for s, n in zip(slots, (15, 31, 64))])
+        fixed = static_decode_view(view, 4, llm.cfg.sliding_window,
+                                   {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios})
+        with torch.inference_mode():
+            first = engine._decode_forward(fixed)
+            state = _snapshot(cache.state.layers)
+            second = engine._decode_forward(fixed)
+        assert torch.equal(first, second)
+        for a, b in zip(state, _snapshot(cache.state.layers)):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        for s in slots:
+            cache.drop(s)
+
+
+class _ReplayOnCPU:
+    """Test double with CUDAGraph's contract (a replay recomputes from the static inputs into the
+    static output), so the runner's bookkeeping runs on CPU: inputs copied before every replay, one
+    capture per shape, the self-check."""
+
+    def __init__(self, forward, inputs, output):
+        self.forward, self.inputs, self.output = forward, inputs, output
+
+    def replay(self):
+        self.output.copy_(self.forward(self.inputs))
+
+
+def test_runner_replays_with_fresh_inputs(llm_factory, ckpt_factory):
+    from ds4serve.cache.static_view import clone_view
+    from ds4serve.engine.decode_graphs import _Graph
+
+    prompts = [random_ids(n, 1000, seed=500 + n) for n in (1, 9, 30, 64)]
+    want = llm_factory("A", max_seqs=4).generate(prompts, max_tokens=24)
+    llm = llm_factory("A", max_seqs=4, decode_graphs="static")
+    engine, cache = llm.core.engine, llm.core.cache
+    runner = DecodeRunner("cuda", engine._decode_forward, 4, llm.cfg.sliding_window,
+                          {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios})
+
+    def capture(fixed):
+        inputs = clone_view(fixed)
+        output = engine._decode_forward(inputs).clone()
+        return _Graph(graph=_ReplayOnCPU(engine._decode_forward, inputs, output), inputs=inputs, output=output)
+
+    runner._capture = capture
+    saved, engine.decode = engine.decode, runner
+    try:
+        assert llm.generate(prompts, max_tokens=24) == want
+    finally:
+        engine.decode = saved
+    assert runner.disabled is None and runner.stats["captures"] >= 2
+    assert runner.stats["replays"] > 3 * runner.stats["captures"]
