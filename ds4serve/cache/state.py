@@ -30,7 +30,7 @@ class ModelState:
         self.layers: list[LayerState] = [self._alloc_layer(ly, n_slots, n_pages) for ly in layout.layers]
         log.info(
             "allocated model state: %d slots x %.3f MiB fixed = %.1f MiB; %d pages x %.1f KiB = %.1f MiB "
-            "(%d tokens of compressed state)",
+            "(%d tokens of compressed state), plus one scratch page for padded decode rows",
             n_slots, layout.bytes_per_slot() / 2**20, n_slots * layout.bytes_per_slot() / 2**20,
             n_pages, layout.bytes_per_page() / 1024, n_pages * layout.bytes_per_page() / 2**20,
             n_pages * layout.page_tokens,
