@@ -4,8 +4,9 @@ Per step it runs at most one *merged* forward over all layers, holding every dec
 passes that run start-to-finish in this step (token chunks), and one forward per layer slice of a
 pass that spans several steps. A multi-step pass keeps its hidden streams in the per-slot staging
 buffers allocated at start-up, and its index view, between slices. Then it samples every row that
-needs a token in one batched call. A forward that raises fails the step's requests (reported,
-never silent) and leaves the engine usable.
+needs a token in one batched call. A step whose rows all decode goes through the ``DecodeRunner``
+(fixed shapes, CUDA graphs where enabled; see ``decode_graphs.py``). A forward that raises fails the
+step's requests (reported, never silent) and leaves the engine usable.
 """
 
 from __future__ import annotations
