@@ -62,9 +62,7 @@ def static_decode_view(view: BatchView, bucket: int, window: int, scratch_rows: 
     if view.swa_dst.shape[0] != n or torch.unique(view.swa_dst // window).numel() != n:
         raise ValueError("not a decode view: more than one token per sequence")
     compress = {key: _pad_compress(ci, bucket, scratch_rows[ci.ratio]) for key, ci in view.compress.items()}
-    visible = {ratio: VisibleRows(rows=_pad_rows(_pad_cols(vr.rows, width_bucket(vr.rows.shape[1]), 0), bucket),
-                                  valid=_pad_rows(_pad_cols(vr.valid, width_bucket(vr.rows.shape[1]), False), bucket))
-               for ratio, vr in view.visible.items()}
+    visible = {ratio: _pad_visible(vr, bucket) for ratio, vr in view.visible.items()}
     return BatchView(
         ids=_pad_rows(view.ids, bucket), positions=_pad_rows(view.positions, bucket),
         swa_keys=_pad_rows(_pad_cols(view.swa_keys, window, 0), bucket),
@@ -89,6 +87,13 @@ def _pad_compress(ci: CompressIndex, bucket: int, scratch: int) -> CompressIndex
         emit_rows=torch.cat((ci.emit_rows, torch.full((extra,), scratch, dtype=ci.emit_rows.dtype, device=dev))),
         ring_dst=_pad_rows(ci.ring_dst, bucket), ring_src=_pad_rows(ci.ring_src, bucket),
     )
+
+
+def _pad_visible(vr: VisibleRows, bucket: int) -> VisibleRows:
+    """Compressed key columns to a power of two (padding invalid, pointing at row 0)."""
+    width = width_bucket(vr.rows.shape[1])
+    return VisibleRows(rows=_pad_rows(_pad_cols(vr.rows, width, 0), bucket),
+                       valid=_pad_rows(_pad_cols(vr.valid, width, False), bucket))
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
