@@ -80,11 +80,11 @@ class DecodeRunner:
         return self.mode != "off"
 
     def run(self, view: BatchView) -> torch.Tensor | None:
-        """Streams ``[n, hc, D]`` of a pure-decode view, or ``None`` if the view does not qualify
-        (more rows than the largest bucket): the caller then runs it the ordinary way."""
+        """Streams ``[n, hc, D]`` of a pure-decode view, or ``None`` when the caller should run it the
+        ordinary way (more rows than the largest bucket, or graphs turned off after a failure)."""
         n = view.num_tokens
         bucket = bucket_for(n, self.buckets)
-        if bucket is None:
+        if bucket is None or (self.mode == "cuda" and self.disabled is not None):
             return None
         fixed = static_decode_view(view, bucket, self.window, self.scratch_rows)
         self.stats["static_steps"] += 1
