@@ -31,6 +31,11 @@ def test_render_states_targets():
     line = render_breakdown({"streams": 16, "step_ms": 20.0, "torch_calls": 3000.0, "products": 100,
                              "products_ms": 4.0}, rows)
     assert "100 matrix products" in line and "needs a 5.0 ms step" in line
+    assert "decode graphs" not in line
+    line = render_breakdown({"streams": 16, "step_ms": 2.0, "torch_calls": 3000.0, "products": 100,
+                             "products_ms": 1.0, "decode_graphs": "cuda", "graph_captures": 3, "graph_replays": 90,
+                             "graphs_disabled": "RuntimeError: x"}, rows)
+    assert "cuda, 3 captured, 90 replays, TURNED OFF: RuntimeError: x" in line
 
 
 def test_breakdown_of_a_real_engine(tmp_path):
@@ -44,4 +49,5 @@ def test_breakdown_of_a_real_engine(tmp_path):
     split = ours.breakdown(4, steps=3)
     assert split["streams"] == 4 and split["torch_calls"] > 100 and split["products"] > 10
     assert 0 < split["products_ms"] and 0 < split["step_ms"]
+    assert split["decode_graphs"] == "off" and split["graph_replays"] == 0
     assert not ours.llm.core.has_work

@@ -144,8 +144,11 @@ class _Ours:
         core.run_until_idle()
         products = [(e.name, e.input_shapes) for e in prof.events()
                     if e.name in _PRODUCTS and _flops(e.name, e.input_shapes) >= 100_000]
+        runner = core.engine.decode
         return {"streams": n, "step_ms": 1000 * wall, "torch_calls": calls, "products": len(products),
-                "products_ms": 1000 * _replay(products, self.device)}
+                "products_ms": 1000 * _replay(products, self.device), "decode_graphs": runner.mode,
+                "graph_captures": runner.stats["captures"], "graph_replays": runner.stats["replays"],
+                "graphs_disabled": runner.disabled}
 
 
 _PRODUCTS = {"aten::mm": 2, "aten::bmm": 2, "aten::addmm": 3, "aten::baddbmm": 3}
@@ -280,4 +283,8 @@ def render_breakdown(split: dict[str, float], rows: list[Row]) -> str:
     hf = {r.streams: r for r in rows}.get(split["streams"])
     if hf and hf.hf_step_ms:
         line += f"; 5x transformers needs a {hf.hf_step_ms / 5:.1f} ms step"
+    if split.get("decode_graphs", "off") != "off":
+        line += (f"\ndecode graphs: {split['decode_graphs']}, {split['graph_captures']} captured, "
+                 f"{split['graph_replays']} replays" + (f", TURNED OFF: {split['graphs_disabled']}"
+                                                        if split.get("graphs_disabled") else ""))
     return line
