@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -180,6 +181,98 @@ def _hf_module_name(saved: str) -> str:
         j = int(saved.split(".experts.")[1].split(".")[0])
         return f"model.layers.{layer}.mlp.experts.down_proj[{j}]"
     return canonical_name(saved)
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _quantize_mxfp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MXFP4, written independently of the loader: per 32 inputs a power-of-two scale that
+    maps the block's absmax to <= 6, each value rounded to the nearest E2M1 magnitude; codes packed
+    two per byte, the even input in the low nibble. Returns (uint8 codes [out, in/2], exponent
+    bytes [out, in/32])."""
+    out_dim, in_dim = w.shape
+    blocks = w.reshape(out_dim, in_dim // block, block)
+    exp = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=2.0**-100) / 6.0)).clamp(-127, 127)
+    scaled = blocks / exp.exp2().unsqueeze(-1)
+    mag = (scaled.abs().unsqueeze(-1) - _E2M1).abs().argmin(-1)
+    codes = (mag + 8 * (scaled < 0)).to(torch.uint8).reshape(out_dim, in_dim)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+@pytest.mark.parametrize("storage", ["float4+e8m0", "int8+bytes"])
+def test_mxfp4_experts_checkpoint(ckpt_factory, tmp_path, storage):
+    """Routed experts shipped as MXFP4 (the Flash instruct format) load to what transformers' own
+    FP4 dequantisation gives, and the model's logits follow."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    hf, path = ckpt_factory("A")
+    tensors = _tensors(path)
+    names = [k for k in tensors if re.search(r"\.experts\.\d+\.w[123]\.weight$", k)]
+    assert len(names) == 6 * 8 * 3
+    reference = Fp8Dequantize(None)
+    dequantised = {}
+    for k in names:
+        packed, exps = _quantize_mxfp4(tensors[k])
+        if storage == "float4+e8m0":
+            weight, scale = packed.view(torch.float4_e2m1fn_x2), (exps.float() - 127).exp2().to(torch.float8_e8m0fnu)
+        else:
+            weight, scale = packed.view(torch.int8), exps
+        tensors[k], tensors[k[: -len(".weight")] + ".scale"] = weight, scale
+        dequantised[k] = reference._dequantize_one(weight, scale, output_dtype=torch.float32)
+        assert (dequantised[k] - tensors_before(path, k)).abs().max() < 0.2 * tensors_before(path, k).abs().max()
+    d = tmp_path / "fp4"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    write_config(d, dict(APPENDIX_A, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                          "weight_block_size": [128, 128], "expert_dtype": "fp4"}))
+    ours = LLM(d)
+    got_w = ours.model.state_dict()
+    for k, w in dequantised.items():
+        layer, j, which = re.search(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w\d)", k).groups()
+        if which == "w2":
+            stored = got_w[f"model.layers.{layer}.mlp.experts.down_proj"][int(j)]
+        else:
+            gate_up = got_w[f"model.layers.{layer}.mlp.experts.gate_up_proj"][int(j)]
+            stored = gate_up.chunk(2)[0 if which == "w1" else 1]
+        assert torch.equal(stored, w), k
+
+    from checkpoints import build_hf_model
+    ref = build_hf_model(APPENDIX_A)
+    ref.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+            if m:
+                p.copy_(got_w[name])
+    ids = random_ids(60, 1000, seed=9)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    got = ours.prompt_logits(ids)
+    assert (got - want).abs().max().item() < 1e-4
+    with torch.no_grad():
+        orig = hf(torch.tensor([ids])).logits[0]
+    assert (got - orig).abs().max().item() > 1e-4  # FP4 rounding is visible: the experts really changed
+
+
+def tensors_before(path, key, _cache={}):
+    if path not in _cache:
+        _cache[path] = _tensors(path)
+    return _cache[path][key]
+
+
+def test_mxfp4_without_scale_is_an_error(ckpt_factory, tmp_path):
+    _, path = ckpt_factory("A")
+    tensors = _tensors(path)
+    k = next(k for k in tensors if k.endswith(".experts.0.w1.weight"))
+    tensors[k] = _quantize_mxfp4(tensors[k])[0].view(torch.int8)
+    d = tmp_path / "fp4bad"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    shutil.copy(path / "config.json", d / "config.json")
+    with pytest.raises(CheckpointError, match="packed FP4"):
+        LLM(d)
 
 
 def test_fp8_without_scale_is_an_error(ckpt_factory, tmp_path):

@@ -1,10 +1,12 @@
-"""Checkpoint loading: safetensors (single file or sharded), HF or official names, FP8 dequantisation.
+"""Checkpoint loading: safetensors (single file or sharded), HF or official names, FP8 / MXFP4
+dequantisation.
 
 This module is the only place that knows checkpoint formats (DESIGN §8.7). Tensors are opened
 lazily (safetensors mmap) and converted one at a time, with a progress bar. Official names
 (spec ds4-text §13) are mapped to the HF names the modules use; per-expert official tensors are
 stacked into HF's ``gate_up_proj`` / ``down_proj``. FP8 e4m3 weights with block scales
-(``.scale`` or ``.weight_scale_inv``) are dequantised at load. Missing, unexpected or mis-shaped
+(``.scale`` or ``.weight_scale_inv``) and MXFP4 experts (the Flash instruct release: two E2M1 codes
+per byte, one UE8M0 scale per 32 inputs) are dequantised at load. Missing, unexpected or mis-shaped
 tensors fail with one error that lists them all.
 """
 
@@ -145,6 +147,18 @@ class _Source:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string (``F32``, ``F8_E4M3``, ``F4``, ``I8``...)."""
+        return self._handles[self.where[name]].get_slice(name).get_dtype()
+
+    def logical_shape(self, name: str) -> tuple[int, ...]:
+        """The unpacked shape: FP4 codes in int8/uint8 bytes with a block scale hold two inputs per
+        byte (safetensors' own ``F4`` already counts 4-bit values)."""
+        shape = self.shape(name)
+        if shape and self.dtype(name) in ("I8", "U8") and _scale_name(self, name) is not None:
+            return shape[:-1] + (2 * shape[-1],)
+        return shape
+
 
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                 name: str = "?") -> torch.Tensor:
@@ -159,6 +173,31 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
             "(set quantization_config.weight_block_size)")
     s = s.repeat_interleave(b0, dim=-2)[..., :out_dim, :].repeat_interleave(b1, dim=-1)[..., :in_dim]
     return w * s
+
+
+# E2M1 code -> value (sign bit, then two exponent bits and one mantissa bit)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_STORAGE = {"I8", "U8", "F4"}  # safetensors dtypes that hold packed FP4 codes
+
+
+def _is_packed_fp4(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.int8, torch.uint8) or t.dtype == getattr(torch, "float4_e2m1fn_x2", None)
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "?") -> torch.Tensor:
+    """MXFP4 ``packed [..., out, in / 2]`` (two E2M1 codes per byte, the low nibble is the even
+    input) times one scale per block of inputs ``scale [..., out, in / block]`` -> fp32
+    ``[..., out, in]``. Scales are UE8M0 (``float8_e8m0fnu``, or raw bytes meaning
+    ``2 ** (byte - 127)``) or plain floats."""
+    codes = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    values = torch.stack((lut[(codes & 0xF).long()], lut[(codes >> 4).long()]), dim=-1).flatten(-2)
+    s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
+    in_dim = values.shape[-1]
+    if s.shape[:-1] != values.shape[:-1] or s.shape[-1] < 1 or in_dim % s.shape[-1]:
+        raise CheckpointError(f"{name}: FP4 scale shape {list(s.shape)} does not fit packed weight "
+                              f"{list(packed.shape)} ({in_dim} inputs)")
+    return values * s.repeat_interleave(in_dim // s.shape[-1], dim=-1)
 
 
 def _scaled_weight(src: _Source, name: str) -> str | None:
@@ -247,6 +286,8 @@ def _single_loader(src: _Source, name: str) -> Callable[[], torch.Tensor]:
             if scale is None:
                 raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
             return dequant_fp8(t, src.get(scale), src.fp8_block, name)
+        if _is_packed_fp4(t) and _scale_name(src, name) is not None:
+            return dequant_mxfp4(t, src.get(_scale_name(src, name)), name)
         return t
     return load
 
@@ -271,10 +312,11 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
 
 def _load_piece(src: _Source, name: str) -> torch.Tensor:
     t = src.get(name)
-    if t.dtype in (torch.int8, torch.uint8):
-        raise CheckpointError(
-            f"{name} is packed FP4 (MXFP4); ds4serve does not dequantise FP4 experts yet: convert them to "
-            "bf16/FP8 first")
+    if _is_packed_fp4(t):
+        scale = _scale_name(src, name)
+        if scale is None:
+            raise CheckpointError(f"{name} is packed FP4 (MXFP4) but has no block scale (.scale / .weight_scale_inv)")
+        return dequant_mxfp4(t, src.get(scale), name)
     if _is_fp8(t):
         scale = _scale_name(src, name)
         if scale is None:
@@ -301,18 +343,21 @@ def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, 
         problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
     for hf, name in plan.items():
         if hf in expected:
-            got, want = src.shape(name), expected[hf][0]
+            got, want = src.logical_shape(name), expected[hf][0]
             if _numel(got) != _numel(want) or (len(got) == len(want) and got != want):
                 problems.append(f"tensor {name}: shape {list(got)}, expected {list(want)}")
     for layer, pieces in experts.items():
         for (j, w), name in pieces.items():
+            if src.dtype(name) in _FP4_STORAGE and _scale_name(src, name) is None:
+                problems.append(f"tensor {name} is packed FP4 (MXFP4) but has no block scale (.scale)")
+                continue
             want = expected.get(f"model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}")
             if want is None:
                 continue
             e, rows, cols = want[0]
             exp_shape = (rows // 2, cols) if w != "w2" else (rows, cols)
-            if src.shape(name) != exp_shape or j >= e:
-                problems.append(f"tensor {name}: shape {list(src.shape(name))}, expected {list(exp_shape)}")
+            if src.logical_shape(name) != exp_shape or j >= e:
+                problems.append(f"tensor {name}: shape {list(src.logical_shape(name))}, expected {list(exp_shape)}")
     return problems
 
 
