@@ -1,4 +1,4 @@
-"""Checkpoint loading: name dialects, sharding, FP8 dequantisation, clear errors."""
+"""Checkpoint loading: name dialects, sharding, FP8 and MXFP4 dequantisation, clear errors."""
 
 from __future__ import annotations
 
