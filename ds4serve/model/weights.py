@@ -233,7 +233,8 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     if ignored:
         log.info("ignoring %d checkpoint tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
     loaders: dict[str, Callable[[], torch.Tensor]] = {hf: _single_loader(src, name) for hf, name in plan.items()}
-    loaders.update(_expert_loaders(src, experts))
+    stacked = _expert_loaders(src, experts, expected, dtype, torch.device(device))
+    loaders.update(stacked)
 
     problems = _compare(src, plan, experts, expected, unknown)
     if problems:
@@ -243,6 +244,9 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     for hf in tqdm(sorted(loaders), desc="loading weights", unit="tensor", disable=not progress, leave=False):
         t = loaders[hf]()
         want_shape, want_dtype = expected[hf]
+        if hf in stacked:  # built in place on the device, already final
+            out[hf] = t
+            continue
         target = want_dtype if not want_dtype.is_floating_point else (
             torch.float32 if _keeps_fp32(hf) else dtype)
         # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
@@ -292,18 +296,30 @@ def _single_loader(src: _Source, name: str) -> Callable[[], torch.Tensor]:
     return load
 
 
-def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]) -> dict[str, Callable]:
+def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
+                    expected: dict[str, tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype,
+                    device: torch.device) -> dict[str, Callable]:
+    """Stack official per-expert tensors into HF's ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``,
+    written expert by expert into a tensor allocated once on the target device in the target dtype:
+    host memory holds one dequantised expert at a time, not a layer's experts in fp32 twice over
+    (for Flash that would be ~34 GB per layer)."""
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     for layer, pieces in experts.items():
-        n = 1 + max(j for j, _ in pieces)
         prefix = f"model.layers.{layer}.mlp.experts."
 
-        def gate_up(pieces=pieces, n=n):
-            return torch.stack([torch.cat((_load_piece(src, pieces[(j, "w1")]), _load_piece(src, pieces[(j, "w3")])))
-                                for j in range(n)])
+        def fill(hf: str, parts: Callable[[int], torch.Tensor]) -> torch.Tensor:
+            shape = expected[hf][0]
+            out = torch.empty(shape, dtype=dtype, device=device)
+            for j in range(shape[0]):
+                out[j].copy_(parts(j))
+            return out
 
-        def down(pieces=pieces, n=n):
-            return torch.stack([_load_piece(src, pieces[(j, "w2")]) for j in range(n)])
+        def gate_up(pieces=pieces, hf=prefix + "gate_up_proj"):
+            return fill(hf, lambda j: torch.cat((_load_piece(src, pieces[(j, "w1")]),
+                                                 _load_piece(src, pieces[(j, "w3")]))))
+
+        def down(pieces=pieces, hf=prefix + "down_proj"):
+            return fill(hf, lambda j: _load_piece(src, pieces[(j, "w2")]))
 
         loaders[prefix + "gate_up_proj"] = gate_up
         loaders[prefix + "down_proj"] = down
