@@ -88,7 +88,7 @@ class DecodeRunner:
             return None
         fixed = static_decode_view(view, bucket, self.window, self.scratch_rows)
         self.stats["static_steps"] += 1
-        if self.mode == "cuda" and self.disabled is None:
+        if self.mode == "cuda":
             return self._graph_forward(fixed)[:n]
         return self._forward(fixed)[:n]
 
