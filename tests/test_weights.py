@@ -151,12 +151,7 @@ def test_fp8_block_scaled_checkpoint(ckpt_factory, tmp_path, scale_suffix):
     write_config(d, config)
     ours = LLM(d)
 
-    # the reference: the same model with the dequantised weights written into it
-    from checkpoints import build_hf_model
-    ref = build_hf_model(APPENDIX_A)
-    ref.load_state_dict(hf.state_dict())
-    sd = ref.state_dict()
-    with torch.no_grad():
+    def overwrite(sd):
         for k, w in dequantised.items():
             mapped = _hf_module_name(k)
             if mapped.endswith("]"):
@@ -164,14 +159,25 @@ def test_fp8_block_scaled_checkpoint(ckpt_factory, tmp_path, scale_suffix):
                 sd[base][int(idx)].copy_(w)
             else:
                 sd[mapped].copy_(w)
-    ids = random_ids(60, 1000, seed=8)
+
+    _assert_reference_logits(hf, ours, overwrite, seed=8)  # FP8 rounding visible in the logits
+
+
+def _assert_reference_logits(hf, ours, overwrite, seed: int) -> None:
+    """transformers' model with ``overwrite(state_dict)`` applied is the reference: ours matches it
+    within 1e-4, and differs from the unquantised original (the weights really changed)."""
+    from checkpoints import build_hf_model
+
+    ref = build_hf_model(APPENDIX_A)
+    ref.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        overwrite(ref.state_dict())
+    ids = random_ids(60, 1000, seed=seed)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
+        orig = hf(torch.tensor([ids])).logits[0]
     got = ours.prompt_logits(ids)
     assert (got - want).abs().max().item() < 1e-4
-    # and it really changed the weights (FP8 rounding is visible in the logits)
-    with torch.no_grad():
-        orig = hf(torch.tensor([ids])).logits[0]
     assert (got - orig).abs().max().item() > 1e-4
 
 
@@ -212,6 +218,7 @@ def test_mxfp4_experts_checkpoint(ckpt_factory, tmp_path, storage):
     names = [k for k in tensors if re.search(r"\.experts\.\d+\.w[123]\.weight$", k)]
     assert len(names) == 6 * 8 * 3
     reference = Fp8Dequantize(None)
+    original = dict(tensors)
     dequantised = {}
     for k in names:
         packed, exps = _quantize_mxfp4(tensors[k])
@@ -221,7 +228,7 @@ def test_mxfp4_experts_checkpoint(ckpt_factory, tmp_path, storage):
             weight, scale = packed.view(torch.int8), exps
         tensors[k], tensors[k[: -len(".weight")] + ".scale"] = weight, scale
         dequantised[k] = reference._dequantize_one(weight, scale, output_dtype=torch.float32)
-        assert (dequantised[k] - tensors_before(path, k)).abs().max() < 0.2 * tensors_before(path, k).abs().max()
+        assert (dequantised[k] - original[k]).abs().max() < 0.2 * original[k].abs().max()
     d = tmp_path / "fp4"
     d.mkdir()
     save_file(tensors, str(d / "model.safetensors"))
@@ -238,28 +245,12 @@ def test_mxfp4_experts_checkpoint(ckpt_factory, tmp_path, storage):
             stored = gate_up.chunk(2)[0 if which == "w1" else 1]
         assert torch.equal(stored, w), k
 
-    from checkpoints import build_hf_model
-    ref = build_hf_model(APPENDIX_A)
-    ref.load_state_dict(hf.state_dict())
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
-            if m:
-                p.copy_(got_w[name])
-    ids = random_ids(60, 1000, seed=9)
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    got = ours.prompt_logits(ids)
-    assert (got - want).abs().max().item() < 1e-4
-    with torch.no_grad():
-        orig = hf(torch.tensor([ids])).logits[0]
-    assert (got - orig).abs().max().item() > 1e-4  # FP4 rounding is visible: the experts really changed
+    def overwrite(sd):
+        for name in sd:
+            if re.match(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+                sd[name].copy_(got_w[name])
 
-
-def tensors_before(path, key, _cache={}):
-    if path not in _cache:
-        _cache[path] = _tensors(path)
-    return _cache[path][key]
+    _assert_reference_logits(hf, ours, overwrite, seed=9)  # FP4 rounding visible: the experts really changed
 
 
 def test_mxfp4_without_scale_is_an_error(ckpt_factory, tmp_path):

@@ -91,20 +91,24 @@ class _Ours:
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         self.gen = torch.Generator().manual_seed(5)
 
-    def __call__(self, n: int) -> tuple[float, float]:
+    def _add(self, n: int) -> None:
+        """``n`` random greedy requests of ``prompt_len`` tokens, each decoding ``new_tokens``."""
         from ..engine.sampling import SamplingParams
 
         core = self.llm.core
         params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
         for _ in range(n):
             core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
+
+    def __call__(self, n: int) -> tuple[float, float]:
+        core = self.llm.core
+        self._add(n)
         core.history.clear()
         core.run_until_idle()
         steps = [h for h in core.history if h.prefill_rows == 0 and h.decode_rows == n]
         if not steps:
             raise RuntimeError(f"no pure decode steps at {n} streams")
         return n * len(steps) / sum(h.elapsed_s for h in steps), 1000 * statistics.median(h.elapsed_s for h in steps)
-
 
     def breakdown(self, n: int, steps: int = 10) -> dict[str, float]:
         """Where one pure-decode step of ``n`` streams goes: wall time, torch calls made from Python,
@@ -114,8 +118,6 @@ class _Ours:
         from torch.overrides import TorchFunctionMode
         from torch.profiler import ProfilerActivity, profile
 
-        from ..engine.sampling import SamplingParams
-
         class _Calls(TorchFunctionMode):
             count = 0
 
@@ -124,9 +126,7 @@ class _Ours:
                 return func(*args, **(kwargs or {}))
 
         core = self.llm.core
-        params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
-        for _ in range(n):
-            core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
+        self._add(n)
         while not core.history or core.history[-1].prefill_rows or core.history[-1].decode_rows != n:
             core.step()
         times = []

@@ -21,6 +21,7 @@ Only text decode rows (one token per sequence, no image block) take this path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -130,24 +131,24 @@ def copy_view_into(dst: BatchView, src: BatchView) -> None:
 
 def clone_view(view: BatchView) -> BatchView:
     """A view whose tensors are fresh buffers with ``view``'s values (a graph's static inputs)."""
-    return BatchView(
-        ids=view.ids.clone(), positions=view.positions.clone(), swa_keys=view.swa_keys.clone(),
-        swa_valid=view.swa_valid.clone(), swa_dst=view.swa_dst.clone(), swa_src=view.swa_src.clone(),
-        compress={k: CompressIndex(ratio=c.ratio, overlap=c.overlap, emit_slots=c.emit_slots.clone(),
-                                   emit_valid=c.emit_valid.clone(), emit_pos=c.emit_pos.clone(),
-                                   emit_rows=c.emit_rows.clone(), ring_dst=c.ring_dst.clone(),
-                                   ring_src=c.ring_src.clone())
+    return dataclasses.replace(
+        view, **{f: getattr(view, f).clone() for f in _VIEW_FIELDS},
+        compress={k: dataclasses.replace(c, **{f: getattr(c, f).clone() for f in _COMPRESS_FIELDS})
                   for k, c in view.compress.items()},
         visible={r: VisibleRows(rows=v.rows.clone(), valid=v.valid.clone()) for r, v in view.visible.items()},
     )
 
 
+_VIEW_FIELDS = ("ids", "positions", "swa_keys", "swa_valid", "swa_dst", "swa_src")
+_COMPRESS_FIELDS = ("emit_slots", "emit_valid", "emit_pos", "emit_rows", "ring_dst", "ring_src")
+
+
 def _tensor_pairs(a: BatchView, b: BatchView):
-    for f in ("ids", "positions", "swa_keys", "swa_valid", "swa_dst", "swa_src"):
+    for f in _VIEW_FIELDS:
         yield getattr(a, f), getattr(b, f)
     for k, ca in a.compress.items():
         cb = b.compress[k]
-        for f in ("emit_slots", "emit_valid", "emit_pos", "emit_rows", "ring_dst", "ring_src"):
+        for f in _COMPRESS_FIELDS:
             yield getattr(ca, f), getattr(cb, f)
     for r, va in a.visible.items():
         yield va.rows, b.visible[r].rows

@@ -283,17 +283,24 @@ def _plan(src: _Source):
 
 
 def _single_loader(src: _Source, name: str) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
-        t = src.get(name)
-        if _is_fp8(t):
-            scale = _scale_name(src, name)
-            if scale is None:
-                raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
-            return dequant_fp8(t, src.get(scale), src.fp8_block, name)
-        if _is_packed_fp4(t) and _scale_name(src, name) is not None:
-            return dequant_mxfp4(t, src.get(_scale_name(src, name)), name)
-        return t
-    return load
+    return lambda: _read(src, name, fp4_needs_scale=False)
+
+
+def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
+    """A checkpoint tensor, dequantised when it is FP8 (which always has a block scale) or packed
+    MXFP4 with one. Int8/uint8 bytes without a scale pass through unless they must be FP4 experts."""
+    t = src.get(name)
+    fp8, fp4 = _is_fp8(t), _is_packed_fp4(t)
+    scale = _scale_name(src, name) if fp8 or fp4 else None
+    if fp8:
+        if scale is None:
+            raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
+        return dequant_fp8(t, src.get(scale), src.fp8_block, name)
+    if fp4 and scale is not None:
+        return dequant_mxfp4(t, src.get(scale), name)
+    if fp4 and fp4_needs_scale:
+        raise CheckpointError(f"{name} is packed FP4 (MXFP4) but has no block scale (.scale / .weight_scale_inv)")
+    return t
 
 
 def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
@@ -303,42 +310,30 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
     written expert by expert into a tensor allocated once on the target device in the target dtype:
     host memory holds one dequantised expert at a time, not a layer's experts in fp32 twice over
     (for Flash that would be ~34 GB per layer)."""
+
+    def fill(hf: str, part: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        shape = expected[hf][0]
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for j in range(shape[0]):
+            out[j].copy_(part(j))
+        return out
+
+    def piece(name: str) -> torch.Tensor:
+        return _read(src, name, fp4_needs_scale=True).float()
+
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     for layer, pieces in experts.items():
         prefix = f"model.layers.{layer}.mlp.experts."
 
-        def fill(hf: str, parts: Callable[[int], torch.Tensor]) -> torch.Tensor:
-            shape = expected[hf][0]
-            out = torch.empty(shape, dtype=dtype, device=device)
-            for j in range(shape[0]):
-                out[j].copy_(parts(j))
-            return out
-
         def gate_up(pieces=pieces, hf=prefix + "gate_up_proj"):
-            return fill(hf, lambda j: torch.cat((_load_piece(src, pieces[(j, "w1")]),
-                                                 _load_piece(src, pieces[(j, "w3")]))))
+            return fill(hf, lambda j: torch.cat((piece(pieces[(j, "w1")]), piece(pieces[(j, "w3")]))))
 
         def down(pieces=pieces, hf=prefix + "down_proj"):
-            return fill(hf, lambda j: _load_piece(src, pieces[(j, "w2")]))
+            return fill(hf, lambda j: piece(pieces[(j, "w2")]))
 
         loaders[prefix + "gate_up_proj"] = gate_up
         loaders[prefix + "down_proj"] = down
     return loaders
-
-
-def _load_piece(src: _Source, name: str) -> torch.Tensor:
-    t = src.get(name)
-    if _is_packed_fp4(t):
-        scale = _scale_name(src, name)
-        if scale is None:
-            raise CheckpointError(f"{name} is packed FP4 (MXFP4) but has no block scale (.scale / .weight_scale_inv)")
-        return dequant_mxfp4(t, src.get(scale), name)
-    if _is_fp8(t):
-        scale = _scale_name(src, name)
-        if scale is None:
-            raise CheckpointError(f"FP8 tensor {name} has no block scale")
-        return dequant_fp8(t, src.get(scale), src.fp8_block, name).float()
-    return t.float()
 
 
 def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str]) -> list[str]:
