@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4serve.multimodal.chunking import next_chunk, plan_chunks, validate_blocks
+from ds4serve.multimodal.chunking import max_chunk_len, next_chunk, plan_chunks, validate_blocks
 from ds4serve.multimodal.layout import block_length
 
 Block = tuple[int, int]
@@ -31,6 +31,8 @@ def _check_chunk(pos: int, n: int, end: int, budget: int, blocks: list[Block], m
     stop = pos + n
     eff = max(budget, min_chunk)
     assert n >= 1, f"no progress: {ctx}"
+    widest = max((b1 - b0 for b0, b1 in blocks), default=0)
+    assert n <= max_chunk_len(budget, min_chunk, widest), f"chunk longer than staging is sized for: {ctx}"
     assert stop <= end, f"chunk runs past the prompt end: {ctx}"
     cut = _around(stop, blocks)
     assert cut is None, f"chunk ends strictly inside block {cut}: {ctx}"
@@ -138,6 +140,16 @@ def test_random_layouts(layout, budget, min_chunk, start_idx):
 
 
 # --- the documented rule, case by case -----------------------------------------------------------
+
+
+def test_max_chunk_len_is_reached():
+    """The staging bound is tight: both overshoots occur (a bound too small would overflow staging)."""
+    # tail rule: 1024 + 15 text tokens (the issue's 1,039-token prompt after a 10-token head)
+    assert next_chunk(0, 1039, 1024, [], 16) == 1039 == max_chunk_len(1024, 16, 0)
+    # swallow: 15 text tokens, a 384-token block, then a 15-token tail, with a budget of 16
+    assert next_chunk(0, 15 + 384 + 15, 16, [(15, 399)], 16) == 414 == max_chunk_len(16, 16, 384)
+    with pytest.raises(ValueError):
+        max_chunk_len(0, 16, 0)
 
 
 def test_shrinks_to_block_start():

@@ -64,10 +64,10 @@ def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("host_budget,drops,decode_graphs", [("1MB", False, "off"), ("400KB", True, "off"),
-                                                             ("400KB", True, "static")])
+@pytest.mark.parametrize("host_budget,drops,decode_graphs", [("1MB", False, "off"), ("150KB", True, "off"),
+                                                             ("150KB", True, "static")])
 def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, decode_graphs, solo, llm_factory):
-    """A pool for ~3 requests (512 tokens) and a 1 MB (or 400 KB) host budget: requests are suspended
+    """A pool for ~3 requests (512 tokens) and a 1 MB (or 150 KB) host budget: requests are suspended
     to host memory and, once the host budget is full, dropped and recomputed from their tokens. With
     fixed-shape decode views, padded rows write only the scratch page, which no one owns."""
     llm = llm_factory("A", max_seqs=16, kv_budget=512, host_budget=host_budget, step_tokens=64,

@@ -28,22 +28,45 @@ def test_top_k_one_is_greedy_even_with_temperature():
     assert [d.token for d in draws] == logits.argmax(-1).tolist()
 
 
+def _accepting(logits: torch.Tensor, states: list[SamplerState], row: int, n: int) -> list[int]:
+    """Draw ``n`` tokens, accepting each into every state's history as the scheduler does."""
+    out = []
+    for _ in range(n):
+        draws = sample_rows(logits, states)
+        for s, d in zip(states, draws):
+            s.output_ids.append(d.token)
+        out.append(draws[row].token)
+    return out
+
+
 def test_seed_decides_only_its_own_tokens():
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
     alone, batched = state(temperature=1.0, seed=42), state(temperature=1.0, seed=42)
     neighbour = state(temperature=1.0, seed=7)
-    a = [sample_rows(logits, [alone])[0].token for _ in range(30)]
-    b = [sample_rows(torch.cat([logits, logits]), [neighbour, batched])[1].token for _ in range(30)]
+    a = _accepting(logits, [alone], 0, 30)
+    b = _accepting(torch.cat([logits, logits]), [neighbour, batched], 1, 30)
     assert a == b
     assert len(set(a)) > 3  # it really samples
+
+
+def test_a_draw_not_accepted_is_drawn_again_identically():
+    """A failed step may have drawn for a request; the retry (or recompute) must draw the same token,
+    and an unseeded request keeps one base seed for its whole life."""
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(4))
+    for seed in (11, None):
+        s = state(temperature=1.0, seed=seed)
+        first = [sample_rows(logits, [s])[0].token for _ in range(5)]
+        assert len(set(first)) == 1  # nothing accepted: the same token every time
+        stream = _accepting(logits, [s], 0, 20)
+        assert stream[0] == first[0] and len(set(stream)) > 3
 
 
 def test_draws_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     s = state(temperature=1.0, seed=3)
     counts = torch.zeros(4)
-    for _ in range(4000):
-        counts[sample_rows(probs.log().unsqueeze(0), [s])[0].token] += 1
+    for tok in _accepting(probs.log().unsqueeze(0), [s], 0, 4000):
+        counts[tok] += 1
     assert torch.allclose(counts / 4000, probs, atol=0.03)
 
 

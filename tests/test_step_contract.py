@@ -44,6 +44,7 @@ class FakeEngine:
 
     def step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        self.active_passes -= set(plan.retired)
         toks = [SampledToken(d.request_id, d.slot, fake_token(d.request_id, d.position + 1)) for d in plan.decodes]
         progress = []
         for p in plan.passes:
@@ -83,6 +84,25 @@ class WrongCursor(FakeEngine):
         res = super().step(plan)
         return dataclasses.replace(res, passes=tuple(dataclasses.replace(p, layer_cursor=p.layer_cursor - 1)
                                                      for p in res.passes))
+
+
+class WrongRequest(FakeEngine):
+    """Reports the token of a planned slot under another planned request's id."""
+
+    def step(self, plan):
+        res = super().step(plan)
+        if len(res.tokens) < 2:
+            return res
+        first, second = res.tokens[0], res.tokens[1]
+        return dataclasses.replace(res, tokens=(dataclasses.replace(first, request_id=second.request_id),)
+                                   + res.tokens[1:])
+
+
+class DropsPassProgress(FakeEngine):
+    """Runs every pass but reports no progress for them."""
+
+    def step(self, plan):
+        return dataclasses.replace(super().step(plan), passes=())
 
 
 def make_core(engine=FakeEngine, **settings) -> EngineCore:
@@ -131,6 +151,8 @@ def test_every_decoder_planned_exactly_once_per_step():
     (DuplicatesRow, "duplicate row"),
     (UnplannedSlot, "unplanned slot"),
     (WrongCursor, "cursor"),
+    (WrongRequest, "token for req-"),
+    (DropsPassProgress, "passes without progress"),
 ])
 def test_broken_engines_are_caught(broken, needle):
     core = make_core(engine=broken, prefill_mode="layers", step_tokens=4, min_prefill_tokens=4)
@@ -171,14 +193,17 @@ def test_abort_at_any_point_frees_before_next_step():
     assert any(r.pass_id is not None for r in core.scheduler.running), "expected a pass in flight"
     for rid in victims:
         core.abort(rid)
-    assert core.leaks() == ""
+    assert core.leaks() == ""  # slots and pages are free now; the emptied pass is being retired
+    assert core.has_work  # ... by the next plan, which carries only that retirement
+    core.step()
+    assert core.engine.plans[-1].retired and core.engine.plans[-1].is_empty is False
+    assert core.engine.active_passes == set() and not core.has_work
     before = len(core.engine.plans)
     late = core.make_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
     core.add(late)
     core.step()
     for plan in core.engine.plans[before:]:
-        planned = {d.request_id for d in plan.decodes} | {m.request_id for p in plan.passes for m in p.members}
-        assert not planned & set(victims)
+        assert not plan.request_ids & set(victims)
     core.run_until_idle()
     assert late.status is RequestStatus.FINISHED_LENGTH
     assert core.leaks() == ""

@@ -35,6 +35,25 @@ class HostSnapshot:
     nbytes: int = 0
 
 
+class StaleSlot(RuntimeError):
+    """A handle from an earlier allocation of a slot was used after the slot was freed (a bug)."""
+
+
+class SlotHandle(int):
+    """A slot number that remembers which allocation it came from.
+
+    It is an ``int`` everywhere a slot number is used (tensor rows, plan fields), and the cache
+    operations check ``gen`` against the slot's current generation, so a handle kept past ``drop``
+    cannot touch the sequence that reuses the slot."""
+
+    gen: int
+
+    def __new__(cls, index: int, gen: int) -> "SlotHandle":
+        handle = super().__new__(cls, index)
+        handle.gen = gen
+        return handle
+
+
 _RINGS = ("swa", "comp_ring", "idx_ring")
 _POOLS = ("comp_pool", "idx_pool")
 
@@ -47,6 +66,7 @@ class CacheManager:
         self.host_budget = int(host_budget_bytes)
         self.host_used = 0
         self._free_slots = list(range(n_slots - 1, -1, -1))
+        self._gen = [0] * n_slots  # bumped on every free: older handles become stale
         cfg = layout.cfg
         self.staging_rows = staging_rows
         self.staging = torch.zeros(n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size, dtype=layout.dtype,
@@ -68,15 +88,26 @@ class CacheManager:
     def free_pages(self) -> int:
         return self.state.pages.free_pages
 
-    def alloc_slot(self) -> int | None:
-        return self._free_slots.pop() if self._free_slots else None
+    def alloc_slot(self) -> SlotHandle | None:
+        if not self._free_slots:
+            return None
+        index = self._free_slots.pop()
+        return SlotHandle(index, self._gen[index])
+
+    def check(self, slot: int) -> None:
+        """Raise ``StaleSlot`` if ``slot`` is a handle from an earlier allocation (plain ints pass)."""
+        if isinstance(slot, SlotHandle) and slot.gen != self._gen[slot]:
+            raise StaleSlot(f"slot {int(slot)}: handle of generation {slot.gen} used after the slot was freed "
+                            f"(now generation {self._gen[slot]})")
 
     def drop(self, slot: int) -> None:
         """Free ``slot`` and its pages (the sequence will be recomputed, or it has ended)."""
-        self.state.pages.release(slot)
+        self.check(slot)
         if slot in self._free_slots:
             raise RuntimeError(f"slot {slot} freed twice")
-        self._free_slots.append(slot)
+        self.state.pages.release(slot)
+        self._gen[slot] += 1
+        self._free_slots.append(int(slot))
 
     # ---- pages ---------------------------------------------------------------------------------
     def pages_short(self, growth: dict[int, int]) -> int:
@@ -86,6 +117,8 @@ class CacheManager:
 
     def reserve(self, growth: dict[int, int]) -> bool:
         """Cover positions ``[0, n)`` for every ``{slot: n}``; all of it or nothing."""
+        for slot in growth:
+            self.check(slot)
         if self.pages_short(growth):
             return False
         for slot, n in growth.items():
@@ -95,6 +128,7 @@ class CacheManager:
         return True
 
     def block_table(self, slot: int) -> list[int]:
+        self.check(slot)
         return self.state.pages.table(slot)
 
     # ---- suspend / restore ---------------------------------------------------------------------
@@ -103,6 +137,7 @@ class CacheManager:
 
     def suspend(self, slot: int, n_tokens: int) -> HostSnapshot | None:
         """Copy ``slot`` to host and free it; ``None`` (nothing changed) if the host budget is short."""
+        self.check(slot)
         size = self.snapshot_bytes(slot)
         if self.host_used + size > self.host_budget:
             return None
@@ -118,13 +153,13 @@ class CacheManager:
         self.drop(slot)
         return snap
 
-    def restore(self, snap: HostSnapshot) -> int | None:
+    def restore(self, snap: HostSnapshot) -> SlotHandle | None:
         """Bring a snapshot back into a free slot with fresh pages; ``None`` if either is short."""
         if not self._free_slots or snap.n_pages > self.free_pages:
             return None
-        slot = self._free_slots.pop()
+        slot = self.alloc_slot()
         if not self.state.pages.reserve(slot, snap.n_pages):
-            self._free_slots.append(slot)
+            self._free_slots.append(int(slot))
             return None
         rows = self._ring_rows(slot)
         pool_idx = self._pool_rows(slot)

@@ -68,6 +68,8 @@ class Engine:
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        for pass_id in plan.retired:
+            self.cancel_pass(pass_id)
         try:
             tokens, progress = self._execute(plan)
         except Exception as exc:  # one bad step fails its requests, not the engine

@@ -71,10 +71,18 @@ class StepPlan:
     step_id: int
     decodes: tuple[DecodeRow, ...]
     passes: tuple[PassSlice, ...] = ()
+    # passes in flight whose members all left (aborted, failed): the engine forgets them and their
+    # staging before this step runs. A plan with only retirements still goes to the engine.
+    retired: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.passes
+        return not self.decodes and not self.passes and not self.retired
+
+    @property
+    def request_ids(self) -> set[str]:
+        """Every request with rows in this plan (the members a failed step makes suspect)."""
+        return {d.request_id for d in self.decodes} | {m.request_id for p in self.passes for m in p.members}
 
     def row_layers(self, num_layers: int) -> int:
         """Cost of the plan in the step budget's unit."""
@@ -122,7 +130,8 @@ class StepResult:
 
 
 def validate_plan(plan: StepPlan, num_layers: int) -> str:
-    """Scheduler-side sanity: every slot at most once, slices well-formed. Empty string if fine."""
+    """Scheduler-side structure before compute: every slot at most once, slices well-formed. A
+    violation is a scheduler bug (fatal). Empty string if fine."""
     seen: dict[int, str] = {}
     for row in plan.decodes:
         if row.slot in seen:
@@ -143,6 +152,41 @@ def validate_plan(plan: StepPlan, num_layers: int) -> str:
             seen[m.slot] = m.request_id
             if not m.ids:
                 return f"pass {p.pass_id}: member {m.request_id} has no rows"
+    if set(plan.retired) & ids:
+        return f"passes {sorted(set(plan.retired) & ids)} are both retired and planned"
+    return ""
+
+
+def member_problems(plan: StepPlan, staging_rows: int, image_slot_id: int | None) -> dict[str, str]:
+    """Problems confined to one member, found before compute: ``{request_id: what is wrong}``.
+
+    A chunk larger than the staging the engine holds, or IMAGE slots (``image_slot_id``: the IMAGE
+    sentinel id; ``None`` for text-only models) not filled by exactly one retained row each. Such a
+    member is refused before compute and its request fails alone; the rest of the plan is re-planned.
+    """
+    out = {}
+    for p in plan.passes:
+        for m in p.members:
+            problem = _member_problem(m, staging_rows, image_slot_id)
+            if problem:
+                out[m.request_id] = f"pass {p.pass_id}: {problem}"
+    return out
+
+
+def _member_problem(m: PassMember, staging_rows: int, image_slot_id: int | None) -> str:
+    if len(m.ids) > staging_rows:
+        return f"{len(m.ids)} rows exceed the staging size {staging_rows}"
+    if image_slot_id is None:
+        return ""
+    slots = {m.start + i for i, t in enumerate(m.ids) if t == image_slot_id}
+    filled: list[int] = []
+    for positions, rows in m.images:
+        if rows is None or len(positions) != rows.shape[0]:
+            return f"an image has {len(positions)} slots but {None if rows is None else rows.shape[0]} rows"
+        filled.extend(int(q) for q in positions)
+    if len(filled) != len(set(filled)) or set(filled) != slots:
+        return (f"{len(slots)} IMAGE slots in [{m.start}, {m.start + len(m.ids)}) but rows for {len(filled)} "
+                f"positions ({len(set(filled) ^ slots)} mismatched): image rows missing or misplaced")
     return ""
 
 

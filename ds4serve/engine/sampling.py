@@ -13,6 +13,7 @@ raw model distribution.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,18 +68,28 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """Per-request sampling state; the engine reads it and advances ``generator`` only."""
+    """Per-request sampling state; the engine reads it and draws from ``rng`` only.
+
+    The random stream is *counter-based*: the draw for output token ``k`` uses a generator seeded
+    from (the request's base seed, ``k``), never a generator that carries state from earlier draws.
+    So a step that fails after drawing, a suspend, a drop and recompute, or a retry of the same token
+    draws exactly the same token again: nothing about randomness has to be undone.
+    """
 
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: list[int]  # shared with the request: the scheduler appends accepted tokens
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = field(default=None, repr=False)
+    base_seed: int | None = field(default=None, repr=False)  # the seed, or one drawn once per request
 
     def rng(self, device: torch.device) -> torch.Generator:
-        if self.generator is None:
+        """The generator for the next output token (re-seeded for token ``len(output_ids)``)."""
+        if self.generator is None or self.generator.device != torch.device(device):
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+        if self.base_seed is None:
+            self.base_seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.generator.manual_seed(token_seed(self.base_seed, len(self.output_ids)))
         return self.generator
 
     def banned_ids(self) -> tuple[int, ...]:
@@ -86,6 +97,14 @@ class SamplerState:
         if len(self.output_ids) >= self.params.min_tokens:
             return ()
         return tuple(self.params.stop_token_ids) + (() if self.params.ignore_eos else tuple(self.eos_ids))
+
+
+def token_seed(base: int, index: int) -> int:
+    """A well-mixed 63-bit seed for output token ``index`` of a request seeded ``base`` (splitmix64)."""
+    z = (base * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) & (2**63 - 1)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["validate_blocks", "next_chunk", "plan_chunks"]
+__all__ = ["validate_blocks", "next_chunk", "plan_chunks", "max_chunk_len"]
 
 Block = tuple[int, int]
 
@@ -130,3 +130,18 @@ def plan_chunks(start: int, end: int, budget: int, blocks: Sequence[Block],
         sizes.append(n)
         pos += n
     return sizes
+
+
+def max_chunk_len(budget: int, min_chunk: int, max_block: int) -> int:
+    """The longest chunk :func:`next_chunk` can return for blocks of at most ``max_block`` tokens.
+
+    Staging buffers are sized by this, so every chunk the rules can legally make fits them. With
+    ``B = max(budget, min_chunk)`` the two overshoots are: the tail rule alone (``B + min_chunk - 1``),
+    and a swallowed block (fewer than ``min_chunk`` text tokens, the block, then a swallowed tail of
+    fewer than ``min_chunk``: ``2 * (min_chunk - 1) + max_block``). ``max_block == 0``: text only.
+    """
+    if budget < 1 or min_chunk < 1 or max_block < 0:
+        raise ValueError(f"bad chunk bounds: budget={budget}, min_chunk={min_chunk}, max_block={max_block}")
+    b = max(budget, min_chunk)
+    tail = b + min_chunk - 1
+    return max(tail, 2 * (min_chunk - 1) + max_block) if max_block else tail

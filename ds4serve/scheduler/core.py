@@ -22,9 +22,12 @@ from ..cache.manager import CacheManager
 from ..config import ConfigError, EngineSettings, ModelConfig, parse_budget
 from ..engine.encoder import EncoderWorker
 from ..engine.executor import Engine
-from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_plan, validate_step_result
+from ..engine.plan import (DecodeRow, PassMember, PassSlice, StepPlan, member_problems, validate_plan,
+                           validate_step_result)
 from ..engine.sampling import SamplerState, SamplingParams
 from ..model import DS4ForCausalLM
+from ..multimodal.chunking import max_chunk_len
+from ..multimodal.layout import TokenType
 from .request import Request, RequestOutput
 from .scheduler import Scheduler, SchedulerLimits
 
@@ -87,8 +90,11 @@ def resolve(cfg: ModelConfig, s: EngineSettings, layout: StateLayout, device: to
     else:
         host_bytes = int(host[1] * layout.bytes_per_token()) + layout.bytes_per_slot()
     rows = parse_budget(s.image_rows_budget)
+    # staging holds the longest chunk the planner may legally make (its tail and block overshoots)
+    staging = max_chunk_len(s.max_prefill_tokens, s.min_prefill_tokens,
+                            cfg.vision.max_n_token if cfg.vision.enabled else 0)
     return Resolved(max_seqs=s.max_seqs, max_model_len=max_len, n_pages=n_pages, host_budget=host_bytes,
-                    staging_rows=s.max_prefill_tokens, image_rows_budget=rows[1] if rows else 256 * 2**20)
+                    staging_rows=staging, image_rows_budget=rows[1] if rows else 256 * 2**20)
 
 
 class EngineCore:
@@ -117,6 +123,7 @@ class EngineCore:
         self.encoder = EncoderWorker(encoder, self.device, dtype, cfg.hidden_size) if encoder is not None else None
         self.scheduler = Scheduler(self.limits, self.cache, self.encoder)
         self.eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.image_slot_id = cfg.vocab_size + int(TokenType.IMAGE) if cfg.vision.enabled else None
         self.broken: str | None = None
         self._ids = itertools.count(1)
         self.history: deque[StepRecord] = deque(maxlen=4096)
@@ -125,6 +132,10 @@ class EngineCore:
                  layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
                  self.settings.step_tokens, cfg.num_layers, self.settings.max_prefill_tokens,
                  self.settings.prefill_mode, getattr(getattr(self.engine, "decode", None), "mode", "n/a"))
+        full = min(r.max_seqs, r.n_pages // max(1, layout.pages_for(r.max_model_len)))
+        log.info("capacity: %d sequences of the full max_model_len (%d tokens) fit at once (%d slots, %d pages); "
+                 "pass staging holds chunks of up to %d rows", full, r.max_model_len, r.max_seqs, r.n_pages,
+                 r.staging_rows)
         if self.settings.warmup:
             self.warmup()
 
@@ -140,15 +151,9 @@ class EngineCore:
         self.scheduler.add(req)
 
     def abort(self, request_id: str, reason: str | None = None) -> bool:
-        """Cancel a request now: its slot, pages, snapshot and pass staging are free on return."""
-        found = self.scheduler.abort(request_id, reason)
-        self._forget_cancelled_passes()
-        return found
-
-    def _forget_cancelled_passes(self) -> None:
-        for pid in self.scheduler.cancelled_passes:
-            self.engine.cancel_pass(pid)
-        self.scheduler.cancelled_passes.clear()
+        """Cancel a request now: its slot, pages and snapshot are free on return; a pass left without
+        members is retired by the next plan (``has_work`` stays true until then)."""
+        return self.scheduler.abort(request_id, reason)
 
     @property
     def has_work(self) -> bool:
@@ -158,22 +163,22 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if self.broken:
             raise FatalStepError(self.broken)
-        self._forget_cancelled_passes()
         plan = self.scheduler.schedule()
         if plan is None:
             return self.scheduler.take_outputs()
         problem = validate_plan(plan, self.cfg.num_layers)
         if problem:
             self._break(f"scheduler produced an invalid plan: {problem}")
+        refused = member_problems(plan, self.cache.staging_rows, self.image_slot_id)
+        if refused:  # confined to those members: they fail alone, the rest is planned again
+            return self.scheduler.refuse(plan, refused)
         result = self.engine.step(plan)
         problem = validate_step_result(plan, result, self.cfg.num_layers)
         if problem:
             self._break(f"step {plan.step_id}: result does not match its plan: {problem}")
         self.history.append(StepRecord(plan.step_id, len(plan.decodes), sum(p.rows for p in plan.passes),
                                        plan.row_layers(self.cfg.num_layers), result.elapsed_s))
-        outs = self.scheduler.apply(plan, result)
-        self._forget_cancelled_passes()
-        return outs
+        return self.scheduler.apply(plan, result)
 
     def _break(self, why: str) -> None:
         log.critical("fatal step error: %s", why)
@@ -200,8 +205,9 @@ class EngineCore:
         """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""
         problems = [self.cache.leaks(self.scheduler.live_slots())]
         live_passes = {r.pass_id for r in self.scheduler.running if r.pass_id is not None}
-        if self.engine.active_passes - live_passes:
-            problems.append(f"engine passes without requests: {sorted(self.engine.active_passes - live_passes)}")
+        stray = self.engine.active_passes - live_passes - self.scheduler.retiring
+        if stray:
+            problems.append(f"engine passes without requests: {sorted(stray)}")
         if self.encoder is not None:
             live = {r.request_id for r in self.scheduler.requests.values() if r.encoded is not None}
             stray = self.encoder.live_requests() - live

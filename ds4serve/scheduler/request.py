@@ -69,6 +69,8 @@ class Request:
     first_token_at: float | None = None
     encoded: list | None = None  # EncodedImage handles from the encoder worker (rows retained while live)
     image_bytes: int = 0  # retained-rows memory accounted to this request
+    suspect: int | None = None  # suspect group after a failed step (see isolation.py); None: not suspect
+    clear_at: int = 0  # a suspect is cleared once ``computed`` reaches this (past its failed step)
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,11 +105,13 @@ class Request:
 
     @property
     def recomputable(self) -> bool:
-        """Its whole input is retained: token ids, and every image's rows (or pixels to re-encode).
+        """Its whole input is retained: token ids, and the rows of every image already encoded.
 
-        Image requests keep their encoded rows while live, so they can be dropped and recomputed
-        exactly; they are never rebuilt from their sentinel ids alone."""
+        Only retained *rows* count (nothing re-encodes retained pixels), and an image still in the
+        encoder is fine: a recompute waits for its rows like the first prefill did. A request whose
+        rows are gone (or whose image failed) is never rebuilt from its sentinel ids alone."""
         if not self.images:
             return True
-        return self.encoded is not None and all(h.error is None and (h.rows is not None or h.patches is not None)
-                                                for h in self.encoded)
+        if self.encoded is None:
+            return False
+        return all(h.error is None and (h.rows is not None or not h.ready.is_set()) for h in self.encoded)

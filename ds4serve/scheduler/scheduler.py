@@ -4,15 +4,17 @@ Each iteration ``schedule()`` builds one ``StepPlan`` in phases (each one helper
 
 1. resume parked/suspended requests, oldest first, then admit waiting ones (FIFO) while a slot and
    pages are free;
-2. plan every decoder exactly once, reserving its page growth; when pages are short, escalate on
-   the newest running request: suspend it to host memory, else drop it for recompute (only if its
+2. plan every decoder of the step's *lane* exactly once, reserving its page growth; when pages are
+   short, escalate on the cheapest running request to rebuild (text before images, then the newest;
+   never one inside a pass): suspend it to host memory, else drop it for recompute (only if its
    whole input is retained), else fail it alone with a clear error;
 3. spend what is left of the step budget (row-layers) on prefill: passes in flight advance by
    layer slices, new text prefill advances by token chunks (or starts a layer-sliced pass); with no
    decoder live a prefill runs whole.
 
-``apply(result)`` folds a step's result back into request state and returns the outputs to stream.
-Only this class changes a request's status.
+The lane is everybody, except after a failed step: then suspects run in steps of their own (see
+``isolation.py``). ``apply(result)`` folds a step's result back into request state and returns the
+outputs to stream; a failed step is undone there. Only this class changes a request's status.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from ..cache.manager import CacheManager
 from ..multimodal.chunking import next_chunk
 from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
+from .admission import fit_problem
+from .isolation import Quarantine
 from .request import Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -77,9 +81,12 @@ class Scheduler:
         self._pass_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._outputs: list[RequestOutput] = []
-        self.cancelled_passes: list[int] = []  # passes the engine must forget (drained by the loop)
+        self._retired: list[int] = []  # passes whose members all left: the next plan retires them
+        self.quarantine = Quarantine()
         self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
-                      "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0}
+                      "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0,
+                      "step_failures": 0, "recomputed_after_failure": 0, "isolated_failures": 0,
+                      "refused_before_compute": 0}
         self._page_starved = False  # set by planning when a prefill chunk could not get its pages
 
     # ---- intake --------------------------------------------------------------------------------
@@ -97,18 +104,11 @@ class Scheduler:
         self.stats["added"] += 1
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        total = prompt_tokens + max_tokens
-        if total > self.limits.max_model_len:
+        problem = fit_problem(prompt_tokens, max_tokens, self.limits.max_model_len, self.cache.layout.pages_for,
+                              self.cache.state.n_pages)
+        if problem:
             self.stats["rejected"] += 1
-            raise RequestTooLarge(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
-                f"limit of {self.limits.max_model_len} tokens; shorten the prompt or lower max_tokens")
-        pages = self.cache.layout.pages_for(total)
-        if pages > self.cache.state.n_pages:
-            self.stats["rejected"] += 1
-            raise RequestTooLarge(
-                f"the request needs {pages} cache pages but the whole pool has {self.cache.state.n_pages}; "
-                f"lower max_tokens or the prompt length")
+            raise RequestTooLarge(problem)
 
     def _check_images(self, req: Request) -> None:
         if self.encoder is None:
@@ -134,7 +134,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.parked)
+        return bool(self.waiting or self.running or self.parked or self._retired)
+
+    @property
+    def retiring(self) -> set[int]:
+        """Passes left without members that the next plan retires."""
+        return set(self._retired)
 
     def take_outputs(self) -> list[RequestOutput]:
         out, self._outputs = self._outputs, []
@@ -144,19 +149,33 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         self._resume_parked()
         self._admit_waiting()
+        decodes, passes = [], []
+        for lane in self.quarantine.lanes():
+            decodes, passes = self._plan_lane(lane)
+            if decodes or passes:
+                break
+        retired, self._retired = tuple(self._retired), []
+        plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes),
+                        retired=retired)
+        return None if plan.is_empty else plan
+
+    def _lane(self, lane: int | None) -> list[Request]:
+        """Running requests that may share this step: everybody but suspects, or one suspect group."""
+        return [r for r in self.running if r.suspect == lane]
+
+    def _plan_lane(self, lane: int | None) -> tuple[list[DecodeRow], list[PassSlice]]:
         while True:
             self._page_starved = False
-            decodes = self._plan_decodes()
-            passes = self._plan_prefill(n_decoders=len(decodes))
-            if decodes or passes or not self._page_starved or len(self.running) < 2:
-                break
+            decodes = self._plan_decodes(lane)
+            passes = self._plan_prefill(len(decodes), lane)
+            holders = self._lane(lane)
+            if decodes or passes or not self._page_starved or len(holders) < 2:
+                return decodes, passes
             # every running request is prefilling and none can get pages for its next chunk: nobody
             # would ever move again (each holds pages the others need). Free the newest so the
             # oldest goes on; nothing was reserved by the empty plan, so planning again is safe.
-            if not self._preempt_newest(holding_pages=True):
-                break
-        plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes))
-        return None if plan.is_empty else plan
+            if not self._preempt(holding_pages=True, among=holders):
+                return decodes, passes
 
     def _resume_parked(self) -> None:
         for req in list(self.parked):
@@ -214,28 +233,32 @@ class Scheduler:
         self.running.append(req)
         self.running.sort(key=lambda r: r.arrival)
 
-    def _plan_decodes(self) -> list[DecodeRow]:
+    def _plan_decodes(self, lane: int | None) -> list[DecodeRow]:
         while True:
-            decoders = [r for r in self.running if r.status is RequestStatus.DECODING]
+            decoders = [r for r in self._lane(lane) if r.status is RequestStatus.DECODING]
             growth = {r.slot: r.computed + 1 for r in decoders}
             if self.cache.reserve(growth):
                 break
-            if not self._preempt_newest():
+            if not self._preempt():
                 break
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler) for r in decoders]
 
-    def _preempt_newest(self, holding_pages: bool = False) -> bool:
-        """Free the newest running request's slot and pages (suspend > drop > fail); with
-        ``holding_pages``, the newest that owns pages (preempting one that owns none frees nothing)."""
-        victims = [r for r in self.running if r.pass_id is None]
+    def _preempt(self, holding_pages: bool = False, among: list[Request] | None = None) -> bool:
+        """Free one running request's slot and pages (suspend > drop > fail alone). Never a request
+        inside a pass (its staged layers would be lost mid-pass). For page growth the victim is the
+        cheapest to rebuild: text before image requests, then the newest. With ``holding_pages``
+        (page starvation, DESIGN §6 invariant 7) it is the newest of ``among`` that owns pages."""
+        victims = [r for r in (self.running if among is None else among)
+                   if r.pass_id is None and self.cache.state.pages.owned(r.slot) > 0]  # else nothing is freed
         if holding_pages:
-            victims = [r for r in victims if self.cache.state.pages.owned(r.slot) > 0]
             if len(victims) < 2:
                 return False  # a lone holder can always get the rest of the pool: keep it
-        if not victims:
+            victim = max(victims, key=lambda r: r.arrival)
+        elif victims:
+            victim = min(victims, key=lambda r: (bool(r.images), -r.arrival))
+        else:
             return False
-        victim = victims[-1]
         self.running.remove(victim)
         victim.preemptions += 1
         snap = self.cache.suspend(victim.slot, victim.computed)
@@ -259,13 +282,14 @@ class Scheduler:
         self.parked.sort(key=lambda r: r.arrival)
         return True
 
-    def _plan_prefill(self, n_decoders: int) -> list[PassSlice]:
+    def _plan_prefill(self, n_decoders: int, lane: int | None = None) -> list[PassSlice]:
         L = self.limits.num_layers
         idle = n_decoders == 0
         budget = max(0, (self.limits.step_tokens - n_decoders) * L)
         floor = self.limits.min_prefill_tokens * L  # progress guaranteed even under a full decode budget
         slices = []
-        for p in sorted(self._passes.values(), key=lambda p: p.requests[0].arrival):
+        in_flight = [p for p in self._passes.values() if p.requests[0].suspect == lane]
+        for p in sorted(in_flight, key=lambda p: p.requests[0].arrival):
             layers = L - p.cursor if idle else max(1, min(L - p.cursor, max(budget, floor) // p.rows))
             slices.append(PassSlice(p.pass_id, p.cursor, p.cursor + layers, p.members))
             budget -= p.rows * layers
@@ -273,7 +297,7 @@ class Scheduler:
         tokens_left = self.limits.max_prefill_tokens if idle else max(budget, floor) // L
         by_layers = self.limits.prefill_mode == "layers" and not idle
         group: list[tuple[Request, PassMember]] = []
-        for req in [r for r in self.running if r.status is RequestStatus.PREFILLING and r.pass_id is None]:
+        for req in [r for r in self._lane(lane) if r.status is RequestStatus.PREFILLING and r.pass_id is None]:
             if req.images:
                 n, with_block = self._image_chunk(req)
                 if n == 0:
@@ -352,10 +376,7 @@ class Scheduler:
     # ---- applying results ------------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         if result.status is StepStatus.FAILED:
-            for rid in {d.request_id for d in plan.decodes} | {m.request_id for p in plan.passes for m in p.members}:
-                req = self.requests.get(rid)
-                if req is not None and not req.status.finished:
-                    self._finish(req, RequestStatus.FINISHED_ERROR, error=f"internal error in step: {result.error}")
+            self._undo_failed_step(plan, result.error or "unknown error")
             return self.take_outputs()
         for d in plan.decodes:
             self.requests[d.request_id].computed += 1
@@ -367,7 +388,64 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
             else:
                 self._accept(req, tok)
+        for rid in plan.request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.suspect is not None and req.computed >= req.clear_at:
+                self.quarantine.clear(req)
         return self.take_outputs()
+
+    def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:
+        """Members of ``plan`` were refused before compute: fail those requests alone. Nothing of the
+        plan ran and nothing was advanced, so the others are simply planned again next step."""
+        self._retired.extend(plan.retired)
+        for rid, why in problems.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                log.error("request %s refused before compute: %s", rid, why)
+                self.stats["refused_before_compute"] += 1
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=f"internal error: refused before compute: {why}")
+        return self.take_outputs()
+
+    def _undo_failed_step(self, plan: StepPlan, error: str) -> None:
+        """The step raised: its members' state is suspect. Drop and recompute them (their whole input
+        is retained; sampling is counter-based, so nothing else advanced), as suspects that run apart
+        from everybody else until cleared; fail alone only one that fails again on its own."""
+        self.stats["step_failures"] += 1
+        for p in plan.passes:
+            self._passes.pop(p.pass_id, None)  # the engine forgot them when the step failed
+        members = sorted((self.requests[rid] for rid in plan.request_ids if rid in self.requests),
+                         key=lambda r: r.arrival)
+        if not members:
+            return
+        ends = {d.request_id: d.position + 1 for d in plan.decodes}
+        ends.update({m.request_id: m.start + len(m.ids) for p in plan.passes for m in p.members})
+        lane = members[0].suspect
+        log.error("step %d failed (%s); undoing it for %d request(s)%s: %s", plan.step_id, error, len(members),
+                  "" if lane is None else f" of suspect group {lane}", ", ".join(r.request_id for r in members))
+        alone = self.quarantine.suspect(members, lane)
+        for r in members:
+            if r in alone:
+                self.stats["isolated_failures"] += 1
+                self._finish(r, RequestStatus.FINISHED_ERROR,
+                             error=f"internal error: this request's step failed again when it ran alone: {error}")
+            else:
+                self._recompute_after_failure(r, ends[r.request_id], error)
+
+    def _recompute_after_failure(self, req: Request, end: int, error: str) -> None:
+        req.clear_at = max(req.clear_at, end)
+        if not req.recomputable:
+            self.quarantine.clear(req)
+            self._finish(req, RequestStatus.FINISHED_ERROR,
+                         error=f"internal error in a step ({error}); this request cannot be recomputed because its "
+                               f"image rows are not retained")
+            return
+        self.running.remove(req)
+        req.pass_id = None
+        self.cache.drop(req.slot)
+        req.slot, req.computed, req.status = None, 0, RequestStatus.PARKED
+        self.parked.append(req)
+        self.parked.sort(key=lambda r: r.arrival)
+        self.stats["recomputed_after_failure"] += 1
 
     def _advance_pass(self, p: PassSlice) -> None:
         done = p.layer_stop == self.limits.num_layers
@@ -429,6 +507,7 @@ class Scheduler:
                 req.snapshot = None
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.quarantine.clear(req)
         req.status, req.error = status, error
         key = {RequestStatus.FINISHED_ABORT: "aborted", RequestStatus.FINISHED_ERROR: "failed"}.get(status, "completed")
         self.stats[key] += 1
@@ -449,7 +528,7 @@ class Scheduler:
         p.members = tuple(m for m in p.members if m.request_id != req.request_id)
         if not p.members:
             del self._passes[p.pass_id]
-            self.cancelled_passes.append(p.pass_id)
+            self._retired.append(p.pass_id)
 
     # ---- introspection ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

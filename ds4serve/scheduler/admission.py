@@ -1,0 +1,27 @@
+"""Whether a request can ever fit this engine: one pure function, used everywhere it is asked.
+
+The HTTP layer (before a stream opens), the async front (any thread), the scheduler (on ``add``) and
+``LLM.generate`` all ask the same question; answering it in one place keeps their limits and their
+messages from drifting apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def fit_problem(prompt_tokens: int, max_tokens: int, max_model_len: int, pages_for: Callable[[int], int],
+                n_pages: int) -> str | None:
+    """``None`` if a request of ``prompt_tokens`` + ``max_tokens`` can be served; else what to change.
+
+    ``pages_for(n)`` is the number of cache pages ``n`` tokens need; ``n_pages`` the whole pool.
+    """
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        return (f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
+                f"limit of {max_model_len} tokens; shorten the prompt or lower max_tokens")
+    pages = pages_for(total)
+    if pages > n_pages:
+        return (f"the request needs {pages} cache pages but the whole pool has {n_pages}; lower max_tokens "
+                f"or shorten the prompt (or start the server with a larger --kv-budget)")
+    return None
