@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--model", type=Path, default=None, help="a DS4V checkpoint (default: the bundled model)")
     img.add_argument("--step-tokens", type=int, default=24)
     img.add_argument("--threads", type=int, default=None)
+    img.add_argument("--rounds", type=int, default=5, help="interleaved sliced / whole rounds (figures are medians)")
     return parser
 
 
@@ -272,7 +273,7 @@ def _bench(args) -> int:
     if args.bench_command == "images":
         from .bench.images_bench import run as run_images
 
-        run_images(args.model, step_tokens=args.step_tokens, threads=args.threads)
+        run_images(args.model, step_tokens=args.step_tokens, threads=args.threads, rounds=args.rounds)
         return 0
     raise SystemExit(f"unknown bench {args.bench_command}")
 

@@ -48,19 +48,24 @@ def test_imports_point_downward():
     assert not problems, "\n".join(problems)
 
 
-def test_model_path_has_no_host_syncs_or_prints():
-    """No .item()/.tolist()/.cpu()/print in model/ (except marked sync-tolerant fallbacks)."""
+# calls that wait for the device (or print): none on the per-step path of the model and of decode steps
+SYNCS = ("item", "tolist", "cpu", "print", "unique", "nonzero", "bincount")
+DECODE_PATH = [PKG / "cache" / "static_view.py", PKG / "engine" / "decode_graphs.py"]
+
+
+def test_model_and_decode_path_have_no_host_syncs_or_prints():
+    """No .item()/.tolist()/.cpu()/unique/nonzero/bincount/print in model/ or the fixed-shape decode
+    path (cache/static_view, engine/decode_graphs), except lines marked sync-ok (first-use checks)."""
     problems = []
-    for f in (PKG / "model").glob("*.py"):
-        if f.name in ("weights.py", "loader.py"):  # load time, not the per-step path
-            continue
+    files = [f for f in (PKG / "model").glob("*.py") if f.name not in ("weights.py", "loader.py")]  # load time
+    for f in files + DECODE_PATH:
         lines = f.read_text().splitlines()
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call):
                 fn = node.func
                 name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-                if name in ("item", "tolist", "cpu", "print") and "sync-ok" not in lines[node.lineno - 1]:
-                    problems.append(f"{f.name}:{node.lineno}: {name}()")
+                if name in SYNCS and "sync-ok" not in lines[node.lineno - 1]:
+                    problems.append(f"{f.relative_to(PKG)}:{node.lineno}: {name}()")
     assert not problems, problems
 
 

@@ -81,7 +81,7 @@ def test_padded_decode_view_matches_the_ordinary_one(llm_factory):
             after_want = _snapshot(layers)
             _restore(layers, before)
             scratch = {m: cache.state.scratch_row(m) for m in model.cfg.distinct_ratios}
-            fixed = static_decode_view(view, 16, model.cfg.sliding_window, scratch)
+            fixed = static_decode_view(view, 16, model.cfg.sliding_window, scratch, view.num_tokens)
             got = engine._decode_forward(fixed)
         assert fixed.num_tokens == 16 and view_key(fixed)[0] == (16,)
         torch.testing.assert_close(got[:8], want, rtol=1e-5, atol=1e-5)
@@ -109,10 +109,10 @@ def test_views_that_do_not_qualify_are_refused(llm_factory):
         assert cache.reserve({slot: 8})
         prefill = engine._view([SeqChunk(slot, 0, [3, 4, 5], cache.block_table(slot))])
         with pytest.raises(ValueError, match="decode view"):
-            static_decode_view(prefill, 4, llm.cfg.sliding_window, {4: 0, 16: 0})
+            static_decode_view(prefill, 4, llm.cfg.sliding_window, {4: 0, 16: 0}, n_seqs=1)
         one = engine._view([SeqChunk(slot, 3, [6], cache.block_table(slot))])
         with pytest.raises(ValueError, match="bucket"):
-            static_decode_view(one, 0, llm.cfg.sliding_window, {4: 0, 16: 0})
+            static_decode_view(one, 0, llm.cfg.sliding_window, {4: 0, 16: 0}, n_seqs=1)
     finally:
         cache.drop(slot)
 
@@ -135,10 +135,10 @@ def test_a_failing_capture_turns_graphs_off_and_stays_correct(llm_factory, caplo
             llm.runner.forward([SeqChunk(slot, 0, [3, 4, 5], cache.block_table(slot))])
             view = engine._view([SeqChunk(slot, 3, [6], cache.block_table(slot))])
             with caplog.at_level("ERROR"):
-                out = runner.run(view)
+                out = runner.run(view, view.num_tokens)
             assert runner.disabled and "capturing" in runner.disabled and "turned off" in caplog.text
             assert out.shape[0] == 1 and torch.isfinite(out).all()
-            assert runner.run(view) is None  # later steps: the ordinary forward, no new capture attempt
+            assert runner.run(view, view.num_tokens) is None  # later steps: the ordinary forward, no new capture attempt
             assert runner.stats["captures"] == 0
     finally:
         cache.drop(slot)
@@ -170,7 +170,7 @@ def test_a_decode_forward_is_idempotent(llm_factory):
             llm.runner.forward([SeqChunk(s, 0, random_ids(n, 1000, seed=60 + i), cache.block_table(s))])
         view = engine._view([SeqChunk(s, n, [9], cache.block_table(s)) for s, n in zip(slots, (15, 31, 64))])
         fixed = static_decode_view(view, 4, llm.cfg.sliding_window,
-                                   {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios})
+                                   {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios}, n_seqs=3)
         with torch.inference_mode():
             first = engine._decode_forward(fixed)
             state = _snapshot(cache.state.layers)

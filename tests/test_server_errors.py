@@ -8,6 +8,7 @@ import threading
 import httpx
 import pytest
 
+from image_helpers import image_url
 from server_harness import serve
 
 OK_MSG = [{"role": "user", "content": "hi"}]
@@ -69,6 +70,19 @@ CASES = [
     ("completions empty prompt list", "POST", "/v1/completions", {"model": "tiny", "prompt": []}, {}, 400, "prompt"),
     ("completions prompt object", "POST", "/v1/completions", {"model": "tiny", "prompt": {"a": 1}}, {}, 400, "prompt"),
     ("completions best_of", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "best_of": 3}, {}, 400, "best_of"),
+    ("user message without content", "POST", "/v1/chat/completions", chat(messages=[{"role": "user"}]), {}, 400, "messages[0].content"),
+    ("user content null", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": None}]), {}, 400, "messages[0].content"),
+    ("system without content", "POST", "/v1/chat/completions", chat(messages=[{"role": "system"}] + OK_MSG), {}, 400, "messages[0].content"),
+    ("tool result without content", "POST", "/v1/chat/completions", chat(messages=OK_MSG + [{"role": "tool", "tool_call_id": "c1"}]), {}, 400, "messages[1].content"),
+    ("text part without text", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), {}, 400, "messages[0].content[0].text"),
+    ("text part with null text", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "text", "text": None}]}]), {}, 400, "messages[0].content[0].text"),
+    ("image part without image_url", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), {}, 400, "messages[0].content[0].image_url"),
+    ("lone surrogate in content", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', {}, 400, "surrogate"),
+    ("lone low surrogate in a text part", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', {}, 400, "messages[0].content[0].text"),
+    ("lone surrogate in stop", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}], "stop": ["\\ud800"]}', {}, 400, "stop[0]"),
+    ("lone surrogate in completion prompt", "POST", "/v1/completions", b'{"model": "tiny", "prompt": "x\\udc00"}', {}, 400, "prompt"),
+    ("lone surrogate in image url", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,\\ud800"}}]}]}', {}, 400, "image_url.url"),
+    ("lone surrogate in a field name", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}], "\\ud800": 1}', {}, 400, "field name"),
     ("wrong method", "GET", "/v1/chat/completions", None, {}, 405, None),
     ("unknown route", "GET", "/v1/nope", None, {}, 404, None),
 ]
@@ -127,6 +141,7 @@ def test_api_key(random_ckpt):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             r = httpx.post(srv.base + "/v1/chat/completions", json=chat(), headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["x-request-id"].startswith("req-")  # refused requests have ids too
             assert httpx.get(srv.base + "/metrics", headers=headers).status_code == 401
             assert httpx.get(srv.base + "/v1/models", headers=headers).status_code == 401
         ok = {"Authorization": "Bearer s3cret"}
@@ -142,3 +157,83 @@ def test_binding_policy():
     check_binding("0.0.0.0", None, True)
     with pytest.raises(BindError, match="--api-key"):
         check_binding("0.0.0.0", None, False)
+
+
+# A valid request using every string field the server reads (and two it ignores), for the surrogate sweep.
+FULL_CHAT = {
+    "model": "tiny", "max_tokens": 2, "stop": ["zz", "yy"], "user": "u1", "some_future_field": "f",
+    "chat_template_kwargs": {"thinking": False, "note": "n"},
+    "messages": [
+        {"role": "system", "content": "be brief", "name": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": image_url(1, (64, 48))}}]},
+        {"role": "assistant", "content": "ok", "reasoning_content": "hm"},
+        {"role": "tool", "content": "42", "tool_call_id": "call-1"},
+        {"role": "user", "content": "and now?"},
+    ],
+}
+
+
+def _string_paths(value, path=""):
+    """(OpenAI-style param path, setter) for every string leaf of a JSON-like value."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _string_paths(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _string_paths(v, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path
+
+
+def _with_value(body, path: str, new):
+    """A deep copy of ``body`` with the string at ``path`` replaced (paths from ``_string_paths``)."""
+    body = json.loads(json.dumps(body))
+    keys = [int(k) if k.isdigit() else k for k in path.replace("[", ".").replace("]", "").split(".")]
+    node = body
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = new
+    return body
+
+
+def test_a_lone_surrogate_in_any_string_is_a_400_naming_it(limited):
+    """Every string of a rich request, one at a time, gets a lone surrogate: never a 500, and the
+    error's param is that string's path (json.dumps writes it as the escape ``\\ud800``)."""
+    paths = list(_string_paths(FULL_CHAT))
+    assert len(paths) >= 14
+    assert httpx.post(limited.base + "/v1/chat/completions", json=FULL_CHAT, timeout=60).status_code == 200
+    bad = []
+    for path in paths:
+        body = _with_value(FULL_CHAT, path, "ok \ud800 then")
+        r = _send(limited.base, "POST", "/v1/chat/completions", json.dumps(body).encode(), {})
+        err = r.json().get("error") or {}
+        if r.status_code != 400 or err.get("param") != path or "surrogate" not in err.get("message", ""):
+            bad.append(f"{path}: {r.status_code} {r.text[:200]}")
+    for prompt, param in (("x\udc00", "prompt"), (["fine", "\ud800"], "prompt[1]")):
+        r = _send(limited.base, "POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt}).encode(), {})
+        if r.status_code != 400 or r.json()["error"]["param"] != param:
+            bad.append(f"completions {param}: {r.status_code} {r.text[:200]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_valid_unicode_and_null_assistant_content_are_accepted(limited):
+    """The new checks refuse only what they should: a surrogate *pair* is an astral character, and an
+    assistant turn may have ``content: null`` (OpenAI allows it; it renders as an empty answer)."""
+    pair = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}'
+    assert _send(limited.base, "POST", "/v1/chat/completions", pair, {}).status_code == 200
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user", "content": "b"}]
+    r = httpx.post(limited.base + "/v1/chat/completions", json=chat(messages=turns), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    parts = [{"type": "text", "text": ""}]  # an empty text is text; only a missing one is refused
+    assert httpx.post(limited.base + "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": parts}]),
+                      timeout=60).status_code == 200
+
+
+def test_error_bodies_survive_text_that_is_not_utf8():
+    """Defence in depth: an error message echoing a lone surrogate still renders valid JSON."""
+    from ds4serve.server.app import _error_response
+    from ds4serve.server.protocol import APIError
+
+    resp = _error_response(APIError(400, "bad value 'x\ud800'", param="stop"))
+    assert json.loads(resp.body)["error"]["message"] == "bad value 'x\ud800'"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -38,7 +39,15 @@ def _running_and_steps(srv):
     return srv.engine.call(lambda core: (len(core.scheduler.running), srv.state.metrics._steps))
 
 
+def _cancellations(srv) -> float:
+    text = httpx.get(srv.base + "/metrics").text
+    m = re.search(r'^ds4serve_cancellations_total\{[^}]*reason="client_disconnect"[^}]*\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_32_streams_with_8_disconnects(server):
+    cancelled_before = _cancellations(server)
+
     async def main():
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -62,7 +71,8 @@ def test_32_streams_with_8_disconnects(server):
     assert all(reason == "length" for _, reason in results), results
     assert server.engine.call(lambda core: core.leaks()) == ""
     metrics = httpx.get(server.base + "/metrics").text
-    assert "ds4serve_slots_in_use 0.0" in metrics
+    assert 'ds4serve_slots_in_use{model_name="tiny"} 0.0' in metrics
+    assert _cancellations(server) - cancelled_before == 8  # each leaver counted once, no stayer
 
 
 def test_queue_full_is_503_with_retry_after(random_ckpt):

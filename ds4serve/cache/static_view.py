@@ -49,19 +49,22 @@ def width_bucket(n: int, minimum: int = 16) -> int:
     return width
 
 
-def static_decode_view(view: BatchView, bucket: int, window: int, scratch_rows: dict[int, int]) -> BatchView:
+def static_decode_view(view: BatchView, bucket: int, window: int, scratch_rows: dict[int, int],
+                       n_seqs: int) -> BatchView:
     """Pad a pure-decode ``view`` (``n <= bucket`` rows, one token each) to fixed shapes.
 
-    ``scratch_rows[ratio]`` is the scratch pool row for that compress ratio.
+    ``n_seqs`` is the number of sequences the view was built from (known on the host: checking it
+    from the view's device tensors would sync every step); ``scratch_rows[ratio]`` is the scratch
+    pool row for that compress ratio.
     """
     n = view.num_tokens
     if not 1 <= n <= bucket:
         raise ValueError(f"{n} decode rows do not fit a bucket of {bucket}")
     if view.is_image is not None or view.image_rows is not None:
         raise ValueError("image-block rows never take the fixed-shape decode path")
-    # one token per sequence: every sliding-ring write lands in a different slot
-    if view.swa_dst.shape[0] != n or torch.unique(view.swa_dst // window).numel() != n:
-        raise ValueError("not a decode view: more than one token per sequence")
+    # one token per sequence (the plan has distinct slots): every sliding-ring write lands in its own slot
+    if n_seqs != n or view.swa_dst.shape[0] != n:
+        raise ValueError(f"not a decode view: {n} tokens from {n_seqs} sequences")
     compress = {key: _pad_compress(ci, bucket, scratch_rows[ci.ratio]) for key, ci in view.compress.items()}
     visible = {ratio: _pad_visible(vr, bucket) for ratio, vr in view.visible.items()}
     return BatchView(

@@ -106,7 +106,7 @@ class Engine:
                 chunks.append(self._member_chunk(m))
                 want.append((m.request_id, m.slot, m.sampler) if m.sample else None)
         view = self._view(chunks)
-        streams = self.decode.run(view) if self.decode.enabled and not whole and view.is_image is None else None
+        streams = self.decode.run(view, len(chunks)) if self.decode.enabled and not whole and view.is_image is None else None
         if streams is None:
             streams = self._decode_forward(view)
         ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1

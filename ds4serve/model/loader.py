@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
                ) -> tuple[ModelConfig, DS4ForCausalLM]:
     """Load the language model; for a DS4V checkpoint also its vision encoder, attached as
     ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``)."""
+    t0 = time.perf_counter()
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
     device = torch.device(device)
@@ -70,6 +72,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
     model.eval()
     n_params = sum(t.numel() for t in sd.values())
-    log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s", path, n_params / 1e6,
-             cfg.num_layers, dt, device)
+    log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s, in %.2f s", path, n_params / 1e6,
+             cfg.num_layers, dt, device, time.perf_counter() - t0)
     return cfg, model

@@ -2,7 +2,8 @@
 dequantisation.
 
 This module is the only place that knows checkpoint formats (DESIGN §8.7). Tensors are opened
-lazily (safetensors mmap) and converted one at a time, with a progress bar. Official names
+lazily (safetensors mmap) and converted one at a time, with a progress bar in bytes (on a terminal;
+in a log file one summary line says how many tensors and bytes loaded in how long). Official names
 (spec ds4-text §13) are mapped to the HF names the modules use; per-expert official tensors are
 stacked into HF's ``gate_up_proj`` / ``down_proj``. FP8 e4m3 weights with block scales
 (``.scale`` or ``.weight_scale_inv``) and MXFP4 experts (the Flash instruct release: two E2M1 codes
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -240,18 +242,41 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n  " + "\n  ".join(problems))
 
-    out: dict[str, torch.Tensor] = {}
-    for hf in tqdm(sorted(loaders), desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        t = loaders[hf]()
-        want_shape, want_dtype = expected[hf]
-        if hf in stacked:  # built in place on the device, already final
-            out[hf] = t
-            continue
-        target = want_dtype if not want_dtype.is_floating_point else (
-            torch.float32 if _keeps_fp32(hf) else dtype)
-        # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
-        out[hf] = t.to(device=device, dtype=target, copy=True).reshape(want_shape)
+    targets = {hf: dtype if hf in stacked else _target_dtype(hf, expected[hf][1], dtype) for hf in loaders}
+    t0 = time.perf_counter()
+    out = _materialise(loaders, stacked, expected, targets, device, progress)
+    seconds = time.perf_counter() - t0
+    nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    log.info("loaded %d tensors, %.3g GiB in %.2f s (%.2f GiB/s) from %s", len(out), nbytes / 2**30, seconds,
+             nbytes / 2**30 / max(seconds, 1e-9), path)
     return out
+
+
+def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked: dict, expected: dict,
+                 targets: dict[str, torch.dtype], device: torch.device | str,
+                 progress: bool) -> dict[str, torch.Tensor]:
+    """Run every loader, converting to its target dtype on the device. The bar counts bytes (a
+    tensor count hides that one expert stack outweighs hundreds of norms) and shows only on a
+    terminal (``disable=None``): in a log file the caller's summary line is what remains."""
+    total = sum(_numel(expected[hf][0]) * targets[hf].itemsize for hf in loaders)
+    out: dict[str, torch.Tensor] = {}
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=None if progress else True, leave=False) as bar:
+        for hf in sorted(loaders):
+            t = loaders[hf]()
+            if hf in stacked:  # built in place on the device, already final
+                out[hf] = t
+            else:  # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
+                out[hf] = t.to(device=device, dtype=targets[hf], copy=True).reshape(expected[hf][0])
+            bar.update(out[hf].numel() * out[hf].element_size())
+    return out
+
+
+def _target_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """Integer buffers keep their dtype; a few small precision-critical tensors stay fp32."""
+    if not want.is_floating_point:
+        return want
+    return torch.float32 if _keeps_fp32(name) else dtype
 
 
 def _keeps_fp32(name: str) -> bool:

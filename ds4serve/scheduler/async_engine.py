@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..engine.sampling import SamplingParams
+from .admission import fit_problem
 from .core import EngineCore, FatalStepError
 from .request import RequestOutput
 from .scheduler import QueueFull, RequestTooLarge
@@ -74,15 +75,10 @@ class AsyncEngine:
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``RequestTooLarge`` / ``QueueFull`` before a stream opens (any thread)."""
         limits = self.core.limits
-        total = prompt_tokens + max_tokens
-        if total > limits.max_model_len:
-            raise RequestTooLarge(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context limit "
-                f"of {limits.max_model_len} tokens; shorten the prompt or lower max_tokens")
-        pages = self.core.cache.layout.pages_for(total)
-        if pages > self.core.cache.state.n_pages:
-            raise RequestTooLarge(f"the request needs {pages} cache pages but the pool has "
-                                  f"{self.core.cache.state.n_pages}; lower max_tokens or shorten the prompt")
+        problem = fit_problem(prompt_tokens, max_tokens, limits.max_model_len, self.core.cache.layout.pages_for,
+                              self.core.cache.state.n_pages)
+        if problem:
+            raise RequestTooLarge(problem)
         if self._in_flight >= limits.max_queue + self.core.resolved.max_seqs:
             raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight)")
         if not self.alive:

@@ -30,6 +30,7 @@ from ..multimodal.chunking import next_chunk
 from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
 from .admission import fit_problem
 from .isolation import Quarantine
+from .passes import PassTable
 from .request import Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -55,18 +56,6 @@ class SchedulerLimits:
     image_rows_budget: int = 0  # bytes of retained image rows (0: images refused)
 
 
-@dataclass
-class _Pass:
-    pass_id: int
-    requests: list[Request]
-    members: tuple[PassMember, ...]
-    cursor: int = 0
-
-    @property
-    def rows(self) -> int:
-        return sum(len(m.ids) for m in self.members)
-
-
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder=None):
         self.limits = limits
@@ -77,11 +66,9 @@ class Scheduler:
         self.running: list[Request] = []  # hold a slot, in arrival order
         self.parked: list[Request] = []  # SUSPENDED or PARKED, in arrival order
         self.requests: dict[str, Request] = {}
-        self._passes: dict[int, _Pass] = {}
-        self._pass_ids = itertools.count(1)
+        self.passes = PassTable(limits.num_layers)
         self._step_ids = itertools.count(1)
         self._outputs: list[RequestOutput] = []
-        self._retired: list[int] = []  # passes whose members all left: the next plan retires them
         self.quarantine = Quarantine()
         self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
                       "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0,
@@ -134,12 +121,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.parked or self._retired)
+        return bool(self.waiting or self.running or self.parked or self.passes.retiring)
 
     @property
     def retiring(self) -> set[int]:
         """Passes left without members that the next plan retires."""
-        return set(self._retired)
+        return self.passes.retiring
 
     def take_outputs(self) -> list[RequestOutput]:
         out, self._outputs = self._outputs, []
@@ -154,7 +141,7 @@ class Scheduler:
             decodes, passes = self._plan_lane(lane)
             if decodes or passes:
                 break
-        retired, self._retired = tuple(self._retired), []
+        retired = self.passes.take_retired()
         plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes),
                         retired=retired)
         return None if plan.is_empty else plan
@@ -288,8 +275,7 @@ class Scheduler:
         budget = max(0, (self.limits.step_tokens - n_decoders) * L)
         floor = self.limits.min_prefill_tokens * L  # progress guaranteed even under a full decode budget
         slices = []
-        in_flight = [p for p in self._passes.values() if p.requests[0].suspect == lane]
-        for p in sorted(in_flight, key=lambda p: p.requests[0].arrival):
+        for p in self.passes.in_flight(lane):
             layers = L - p.cursor if idle else max(1, min(L - p.cursor, max(budget, floor) // p.rows))
             slices.append(PassSlice(p.pass_id, p.cursor, p.cursor + layers, p.members))
             budget -= p.rows * layers
@@ -325,14 +311,14 @@ class Scheduler:
                 self._page_starved = True
                 continue
             layers = max(1, min(L, max(budget, floor) // n)) if by_layers else L
-            slices.append(self._new_pass([req], (self._member(req, n),), layers))
+            slices.append(self.passes.start([req], (self._member(req, n),), layers))
             tokens_left -= n
             budget -= n * layers
             floor = 0
         if group:
             rows = sum(len(m.ids) for _, m in group)
             layers = L if idle else max(1, min(L, max(budget, floor) // rows))
-            slices.append(self._new_pass([r for r, _ in group], tuple(m for _, m in group), layers))
+            slices.append(self.passes.start([r for r, _ in group], tuple(m for _, m in group), layers))
         return slices
 
     def _member(self, req: Request, n: int) -> PassMember:
@@ -365,14 +351,6 @@ class Scheduler:
         with_block = any(lo <= sp.start and sp.end <= hi for sp in spans)
         return max(0, hi - lo), with_block
 
-    def _new_pass(self, reqs: list[Request], members: tuple[PassMember, ...], layers: int) -> PassSlice:
-        pid = next(self._pass_ids)
-        if layers < self.limits.num_layers:
-            self._passes[pid] = _Pass(pid, reqs, members)
-            for r in reqs:
-                r.pass_id = pid
-        return PassSlice(pid, 0, layers, members)
-
     # ---- applying results ------------------------------------------------------------------------
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         if result.status is StepStatus.FAILED:
@@ -397,7 +375,7 @@ class Scheduler:
     def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:
         """Members of ``plan`` were refused before compute: fail those requests alone. Nothing of the
         plan ran and nothing was advanced, so the others are simply planned again next step."""
-        self._retired.extend(plan.retired)
+        self.passes.retire_later(plan.retired)
         for rid, why in problems.items():
             req = self.requests.get(rid)
             if req is not None:
@@ -412,7 +390,7 @@ class Scheduler:
         from everybody else until cleared; fail alone only one that fails again on its own."""
         self.stats["step_failures"] += 1
         for p in plan.passes:
-            self._passes.pop(p.pass_id, None)  # the engine forgot them when the step failed
+            self.passes.forget(p.pass_id)  # the engine forgot them when the step failed
         members = sorted((self.requests[rid] for rid in plan.request_ids if rid in self.requests),
                          key=lambda r: r.arrival)
         if not members:
@@ -448,13 +426,8 @@ class Scheduler:
         self.stats["recomputed_after_failure"] += 1
 
     def _advance_pass(self, p: PassSlice) -> None:
-        done = p.layer_stop == self.limits.num_layers
-        state = self._passes.get(p.pass_id)
-        if state is not None:
-            state.cursor = p.layer_stop
-        if not done:
+        if not self.passes.advanced(p):
             return
-        self._passes.pop(p.pass_id, None)
         for m in p.members:
             req = self.requests[m.request_id]
             req.pass_id = None
@@ -497,7 +470,7 @@ class Scheduler:
             self.running.remove(req)
             if req.pass_id is not None:
                 self.stats["aborted_in_pass"] += status is RequestStatus.FINISHED_ABORT
-                self._leave_pass(req)
+                self.passes.leave(req)
             self.cache.drop(req.slot)
             req.slot = None
         elif req in self.parked:
@@ -517,25 +490,12 @@ class Scheduler:
             self._emit(req, (new[0],), (new[1],) if new[1] else None)
         self.requests.pop(req.request_id, None)
 
-    def _leave_pass(self, req: Request) -> None:
-        """A member ended mid-pass. The others continue the same pass (rows of different sequences are
-        independent; restarting them would read sliding rings the partial pass already overwrote)."""
-        p = self._passes.get(req.pass_id)
-        req.pass_id = None
-        if p is None:
-            return
-        p.requests.remove(req)
-        p.members = tuple(m for m in p.members if m.request_id != req.request_id)
-        if not p.members:
-            del self._passes[p.pass_id]
-            self._retired.append(p.pass_id)
-
     # ---- introspection ---------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         by = {s: 0 for s in RequestStatus if not s.finished}
         for r in self.running + self.parked + list(self.waiting):
             by[r.status] += 1
-        return {s.value: n for s, n in by.items()} | {"passes": len(self._passes)}
+        return {s.value: n for s, n in by.items()} | {"passes": len(self.passes)}
 
     def live_slots(self) -> set[int]:
         return {r.slot for r in self.running}

@@ -2,13 +2,15 @@
 
 Everything slow runs elsewhere: the model in the engine-loop thread, templating / tokenizing /
 image decoding in a worker pool. Every error body is OpenAI-shaped (``{"error": {...}}``);
-validation failures are 400, never FastAPI's default 422.
+validation failures are 400, never FastAPI's default 422. Every request has an id and one access log
+line (``access_log``); every error handler notes its error on the request's record for that line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import Tokenizer
 from ..scheduler.async_engine import AsyncEngine
+from .access_log import AccessLog, RequestRecord, record_of, request_id_of
 from .metrics import Metrics
+from .openapi import custom_openapi
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .serving import ServerLimits, Serving, new_request_id
 
@@ -38,10 +42,14 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     api_key: str | None = None
     random_weights: bool = False
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Metrics = field(default=None)  # type: ignore[assignment]  # built for model_id when not given
     image_pipeline: Any = None  # multimodal preprocessing (DS4V); None for text-only models
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "ds4serve-prep"))
     started: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        if self.metrics is None:
+            self.metrics = Metrics(self.model_id)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -74,8 +82,8 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _send_error(send, APIError(413, f"request body of {int(declared)} bytes exceeds the limit "
-                                                    f"of {self.limit} bytes", code="request_too_large"))
+            return await _send_error(scope, send, APIError(413, f"request body of {int(declared)} bytes exceeds the "
+                                                           f"limit of {self.limit} bytes", code="request_too_large"))
         seen = 0
 
         async def limited():
@@ -90,22 +98,36 @@ class _BodyLimit:
         try:
             return await self.app(scope, limited, send)
         except _TooLarge:
-            return await _send_error(send, APIError(413, f"request body exceeds the limit of {self.limit} bytes",
-                                                    code="request_too_large"))
+            return await _send_error(scope, send, APIError(413, f"request body exceeds the limit of {self.limit} "
+                                                           "bytes", code="request_too_large"))
 
 
 class _TooLarge(Exception):
     pass
 
 
-async def _send_error(send, err: APIError) -> None:
-    resp = _error_response(err)
+async def _send_error(scope, send, err: APIError) -> None:
+    resp = _error_response(err, record_of(scope))
     await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+class _ErrorJSON(JSONResponse):
+    """JSON that never fails to encode: text that cannot be UTF-8 (a lone surrogate echoed from the
+    request) is written as a ``\\uXXXX`` escape instead of turning the error into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(err: APIError, rec: RequestRecord | None = None) -> JSONResponse:
+    """The OpenAI error body; the error is noted on the request's access-log record."""
+    if rec is not None:
+        rec.note_error(err)
+    return _ErrorJSON(err.body(), status_code=err.status, headers=err.headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
@@ -121,6 +143,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     if any(e.get("type") in ("json_invalid", "json_type") for e in errors):
         return "the request body is not valid JSON", None
+    for e in errors:  # our own checks that name their field (lone surrogates) say it best
+        if "param" in (e.get("ctx") or {}):
+            return e["msg"], e["ctx"]["param"]
     e = max(errors, key=lambda err: len(err.get("loc", ())))
     param = ""
     for part in e.get("loc", ()):
@@ -144,42 +169,42 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="ds4serve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for DeepSeek-V4 / DS4V models")
     app.state.ds4 = state
-    app.openapi = lambda: _openapi(app)
-    serving = Serving(state)
+    app.openapi = lambda: custom_openapi(app)
+    # the last added is the outermost: the access log sees the 401s and 413s of the layers inside it
     app.add_middleware(_BodyLimit, limit=state.limits.max_body_bytes)
+    app.add_middleware(_Auth, api_key=state.api_key)
+    app.add_middleware(AccessLog, metrics=state.metrics)
+    _install_error_handlers(app)
+    _install_routes(app, state, Serving(state))
+    return app
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return _error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_response(exc, record_of(request))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc)
-        return _error_response(APIError(400, msg, param=param))
+        return _error_response(APIError(400, msg, param=param), record_of(request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code), record_of(request))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, "internal server error", type_="server_error", code="internal_error"))
+        """Starlette answers from outside the access-log layer, so the id header is added here."""
+        rid = request_id_of(request)
+        log.exception("unhandled error in %s %s (request_id=%s)", request.method, request.url.path, rid)
+        err = APIError(500, "internal server error", type_="server_error", code="internal_error",
+                       headers={"x-request-id": rid} if rid else None)
+        return _error_response(err, record_of(request))
 
-    @app.middleware("http")
-    async def _auth_and_ids(request: Request, call_next):
-        path = request.url.path
-        protected = path.startswith("/v1/") or path == "/metrics"
-        if state.api_key and protected and not _authorized(request, state.api_key):
-            return _error_response(APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                            type_="invalid_request_error", code="invalid_api_key"))
-        response = await call_next(request)
-        rid = request.headers.get("x-request-id")
-        if rid:
-            response.headers["x-request-id"] = rid[:256]
-        return response
 
+def _install_routes(app: FastAPI, state: ServerState, serving: Serving) -> None:
     @app.get("/health", summary="liveness: 200 when the engine is running")
     async def health():
         if not state.engine.alive:
@@ -202,97 +227,75 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", summary="chat completions (streaming or not)")
     async def chat(body: ChatCompletionRequest, request: Request):
         job = await serving.build_chat(body, new_request_id("chat"))
-        return await _run(job, request)
+        return await _run(serving, job, request)
 
     @app.post("/v1/completions", summary="text completions (streaming or not)")
     async def completions(body: CompletionRequest, request: Request):
         job = await serving.build_completion(body, new_request_id("completion"))
-        return await _run(job, request)
+        return await _run(serving, job, request)
 
-    async def _run(job, request: Request):
-        await serving.admit(job)
-        if job.stream:
-            return StreamingResponse(serving.sse(job, state.model_id, disconnected=lambda: _disconnect(request)),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect_watching(job, request)
 
-    async def _disconnect(request: Request) -> None:
-        """Resolve when the client disconnects (the body is already read, so the next ASGI message
-        is the disconnect)."""
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
+async def _run(serving: Serving, job, request: Request):
+    job.record = record_of(request)
+    if job.record is not None:
+        job.record.completion_id = job.request_id
+    await serving.admit(job)
+    if job.stream:
+        return StreamingResponse(serving.sse(job, serving.state.model_id, disconnected=lambda: _disconnect(request)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect_watching(serving, job, request)
 
-    async def _collect_watching(job, request: Request):
-        """Collect a non-streaming answer; a client disconnect or the timeout cancels it."""
-        task = asyncio.ensure_future(serving.collect(job, state.model_id))
-        deadline = job.arrival + state.limits.request_timeout_s
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.1)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    log.info("client disconnected; cancelled %s", job.request_id)
-                    return Response(status_code=499)
-                if time.monotonic() > deadline:
-                    task.cancel()
-                    raise APIError(504, f"the request did not finish within {state.limits.request_timeout_s:.0f} s",
-                                   type_="server_error", code="timeout")
-            return task.result()
-        finally:
-            if not task.done():
+
+async def _disconnect(request: Request) -> None:
+    """Resolve when the client disconnects (the body is already read, so the next ASGI message
+    is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect_watching(serving: Serving, job, request: Request):
+    """Collect a non-streaming answer; a client disconnect or the timeout cancels it."""
+    limits = serving.state.limits
+    task = asyncio.ensure_future(serving.collect(job, serving.state.model_id))
+    deadline = job.arrival + limits.request_timeout_s
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                break
+            if await request.is_disconnected():
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-    return app
-
-
-_ERROR_SCHEMA = {
-    "type": "object", "required": ["error"],
-    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
-}
-_ERRORS = {"400": "invalid request (OpenAI error body)", "401": "missing or wrong API key",
-           "404": "unknown model", "413": "request body too large", "500": "internal error",
-           "503": "at capacity (Retry-After) or shutting down", "504": "request timeout"}
+                serving.mark_cancelled(job, "client_disconnect")
+                return Response(status_code=499)
+            if time.monotonic() > deadline:
+                task.cancel()
+                serving.mark_cancelled(job, "timeout")
+                raise APIError(504, f"the request did not finish within {limits.request_timeout_s:.0f} s",
+                               type_="server_error", code="timeout")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, corrected to what is served: validation errors are 400 (not 422) with the
-    OpenAI error body, the other error statuses are documented, streaming answers are SSE."""
-    if app.openapi_schema:
-        return app.openapi_schema
-    from fastapi.openapi.utils import get_openapi
+class _Auth:
+    """ASGI middleware: the API key guards ``/v1/*`` and ``/metrics`` (``/health`` stays open)."""
 
-    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = _ERROR_SCHEMA
-    err = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-    for path, ops in schema.get("paths", {}).items():
-        for op in ops.values():
-            responses = op.setdefault("responses", {})
-            responses.pop("422", None)
-            if path.startswith("/v1/") or path == "/metrics":
-                responses["401"] = {"description": _ERRORS["401"], "content": err}
-            if path in ("/v1/chat/completions", "/v1/completions"):
-                for code in ("400", "404", "413", "500", "503", "504"):
-                    responses[code] = {"description": _ERRORS[code], "content": err}
-                ok = responses.setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
-            if path == "/health":
-                responses["503"] = {"description": "the engine is not running",
-                                    "content": {"application/json": {"schema": {"type": "object"}}}}
-            if path == "/metrics":
-                responses["200"] = {"description": "Prometheus text format",
-                                    "content": {"text/plain": {"schema": {"type": "string"}}}}
-    for comp in ("HTTPValidationError", "ValidationError"):
-        schema["components"]["schemas"].pop(comp, None)
-    app.openapi_schema = schema
-    return schema
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.api_key and (path.startswith("/v1/") or path == "/metrics"):
+            if not _authorized(Request(scope), self.api_key):
+                return await _send_error(scope, send, APIError(
+                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    type_="invalid_request_error", code="invalid_api_key"))
+        return await self.app(scope, receive, send)
 
 
 def _authorized(request: Request, key: str) -> bool:

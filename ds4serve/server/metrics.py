@@ -1,98 +1,165 @@
 """Prometheus metrics: what users feel (TTFT, inter-token latency) and what the engine holds.
 
-Engine-side figures (queue, running, suspended, parked, slots, pages, preemptions) are snapshotted
-on the engine-loop thread after every step and served from that snapshot, so a scrape never
-touches scheduler state from another thread. Latency histograms are observed by the request
-handlers on the event loop.
+Engine-side figures (queue, running, suspended, parked, slots, pages, passes, preemptions, decode
+width) are snapshotted on the engine-loop thread after every step and served from that snapshot, so a
+scrape never touches scheduler state from another thread. Latency histograms are observed by the
+request handlers on the event loop; error and cancellation counters by the access-log middleware.
+
+Every series carries a ``model_name`` label (the served name), so dashboards that scrape several
+servers, or compare against vLLM's metrics, can tell them apart.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+DECODE_WIDTH_WINDOW = 64  # decode steps averaged by ds4serve_decode_width
+
+_GAUGES = {  # name: (help, snapshot key)
+    "ds4serve_queue_depth": ("requests waiting for a slot", "waiting"),
+    "ds4serve_requests_running": ("requests holding a slot (prefilling or decoding)", "running"),
+    "ds4serve_requests_prefilling": ("requests prefilling", "prefilling"),
+    "ds4serve_requests_suspended": ("requests suspended to host memory", "suspended"),
+    "ds4serve_requests_parked": ("requests dropped, waiting to be recomputed", "parked"),
+    "ds4serve_slots_in_use": ("sequence slots in use", "slots_in_use"),
+    "ds4serve_slots_total": ("sequence slots allocated at start-up", "slots_total"),
+    "ds4serve_pages_in_use": ("cache pages in use", "pages_in_use"),
+    "ds4serve_pages_total": ("cache pages in the pool", "pages_total"),
+    "ds4serve_host_suspend_bytes": ("host memory held by suspended requests", "host_used"),
+    "ds4serve_passes_in_flight": ("prefill passes spanning several steps", "passes"),
+    "ds4serve_decode_width": (f"mean decoding rows per decode step over the last {DECODE_WIDTH_WINDOW} decode "
+                              "steps (the batch width decode really runs at)", "decode_width"),
+}
+_COUNTERS = {  # name (without _total): (help, snapshot key)
+    "ds4serve_engine_steps": ("engine steps executed", "steps"),
+    "ds4serve_decode_steps": ("engine steps that decoded at least one row", "decode_steps"),
+    "ds4serve_decode_rows": ("rows decoded (one token each), summed over steps", "decode_rows"),
+    "ds4serve_prefill_rows": ("prefill rows run in pass slices, summed over steps", "prefill_rows"),
+}
 
 
 class _EngineCollector:
-    def __init__(self):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
         self.snapshot: dict = {}
 
     def collect(self):
-        s = self.snapshot
+        s, m = self.snapshot, [self.model_name]
         if not s:
             return
-        gauges = {
-            "ds4serve_queue_depth": ("requests waiting for a slot", s["waiting"]),
-            "ds4serve_requests_running": ("requests holding a slot (prefilling or decoding)", s["running"]),
-            "ds4serve_requests_prefilling": ("requests prefilling", s["prefilling"]),
-            "ds4serve_requests_suspended": ("requests suspended to host memory", s["suspended"]),
-            "ds4serve_requests_parked": ("requests dropped, waiting to be recomputed", s["parked"]),
-            "ds4serve_slots_in_use": ("sequence slots in use", s["slots_in_use"]),
-            "ds4serve_slots_total": ("sequence slots allocated at start-up", s["slots_total"]),
-            "ds4serve_pages_in_use": ("cache pages in use", s["pages_in_use"]),
-            "ds4serve_pages_total": ("cache pages in the pool", s["pages_total"]),
-            "ds4serve_host_suspend_bytes": ("host memory held by suspended requests", s["host_used"]),
-            "ds4serve_passes_in_flight": ("prefill passes spanning several steps", s["passes"]),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        pre = CounterMetricFamily("ds4serve_preemptions", "requests preempted under memory pressure",
-                                  labels=["kind"])
+        for name, (doc, key) in _GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, s[key])
+            yield g
+        pre = CounterMetricFamily("ds4serve_preemptions", "requests preempted under memory pressure, by kind "
+                                  "(suspend to host, drop for recompute, fail)", labels=["model_name", "kind"])
         for kind in ("suspend", "drop", "fail"):
-            pre.add_metric([kind], s["stats"][f"preempt_{kind}"])
+            pre.add_metric([*m, kind], s["stats"][f"preempt_{kind}"])
         yield pre
-        steps = CounterMetricFamily("ds4serve_engine_steps", "engine steps executed")
-        steps.add_metric([], s["steps"])
-        yield steps
+        for name, (doc, key) in _COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, s[key])
+            yield c
+
+
+class _Bound:
+    """A labelled metric with ``model_name`` filled in: ``.labels(x)`` is ``.labels(model, x)``."""
+
+    def __init__(self, family, model_name: str):
+        self.family, self.model_name = family, model_name
+
+    def labels(self, *values: str):
+        return self.family.labels(self.model_name, *values)
+
+
+class _StepTally:
+    """Decode and prefill rows of the steps in ``core.history`` not yet counted (engine-loop thread)."""
+
+    def __init__(self):
+        self.last_step = 0
+        self.decode_steps = self.decode_rows = self.prefill_rows = 0
+        self.recent: deque[int] = deque(maxlen=DECODE_WIDTH_WINDOW)
+
+    def update(self, history) -> None:
+        new = []
+        for rec in reversed(history):
+            if rec.step_id <= self.last_step:
+                break
+            new.append(rec)
+        for rec in reversed(new):
+            self.last_step = rec.step_id
+            self.prefill_rows += rec.prefill_rows
+            if rec.decode_rows:
+                self.decode_steps += 1
+                self.decode_rows += rec.decode_rows
+                self.recent.append(rec.decode_rows)
+
+    @property
+    def width(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "ds4serve"):
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._engine = _EngineCollector()
+        self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
-        self._lock = threading.Lock()
         self._steps = 0
-        r = self.registry
-        self.ttft = Histogram("ds4serve_time_to_first_token_seconds", "time from request arrival to its first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ds4serve_inter_token_latency_seconds", "gap between consecutive tokens of a stream",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ds4serve_request_latency_seconds", "request arrival to completion",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("ds4serve_step_seconds", "engine step duration", buckets=_LATENCY_BUCKETS,
-                                   registry=r)
+        self._tally = _StepTally()
+        r, m, lab = self.registry, model_name, ["model_name"]
+
+        def hist(name: str, doc: str):
+            return Histogram(name, doc, lab, buckets=_LATENCY_BUCKETS, registry=r).labels(m)
+
+        self.ttft = hist("ds4serve_time_to_first_token_seconds", "time from request arrival to its first token")
+        self.itl = hist("ds4serve_inter_token_latency_seconds", "gap between consecutive tokens of a stream")
+        self.e2e = hist("ds4serve_request_latency_seconds", "request arrival to completion")
+        self.step_time = hist("ds4serve_step_seconds", "engine step duration")
         self.prompt_tokens = Counter("ds4serve_prompt_tokens", "prompt tokens admitted (after template and image "
-                                     "expansion)", registry=r)
-        self.generation_tokens = Counter("ds4serve_generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("ds4serve_requests", "finished requests by outcome", ["outcome"], registry=r)
-        self.rejections = Counter("ds4serve_rejections", "requests refused before admission", ["reason"], registry=r)
+                                     "expansion)", lab, registry=r).labels(m)
+        self.generation_tokens = Counter("ds4serve_generation_tokens", "tokens generated", lab, registry=r).labels(m)
+        self.requests = _Bound(Counter("ds4serve_requests", "finished requests by outcome", [*lab, "outcome"],
+                                       registry=r), m)
+        self.rejections = _Bound(Counter("ds4serve_rejections", "requests refused by the engine before admission, "
+                                         "by reason", [*lab, "reason"], registry=r), m)
+        self.error_responses = _Bound(Counter("ds4serve_error_responses", "HTTP requests answered with an error "
+                                              "status (4xx refusals, 5xx failures), by status", [*lab, "status"],
+                                              registry=r), m)
+        self.cancellations = _Bound(Counter("ds4serve_cancellations", "requests stopped before their end, by reason "
+                                            "(client_disconnect, timeout, server_shutdown)", [*lab, "reason"],
+                                            registry=r), m)
 
     def on_step(self, core, outputs, elapsed: float) -> None:
-        """Engine-loop thread: refresh the engine snapshot."""
+        """Engine-loop thread: count the new steps' rows and refresh the engine snapshot."""
         self._steps += 1
         self.step_time.observe(elapsed)
-        self._engine.snapshot = snapshot(core, self._steps)
+        self._tally.update(core.history)
+        self._engine.snapshot = snapshot(core, self._steps, self._tally)
 
     def on_change(self, core) -> None:
         """Engine-loop thread, after commands (add/abort) changed state without a step."""
-        self._engine.snapshot = snapshot(core, self._steps)
+        self._engine.snapshot = snapshot(core, self._steps, self._tally)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def snapshot(core, steps: int = 0) -> dict:
+def snapshot(core, steps: int = 0, tally: _StepTally | None = None) -> dict:
     c = core.scheduler.counts()
     cache = core.cache
+    tally = tally or _StepTally()
     return {
         "waiting": c["waiting"], "running": c["prefilling"] + c["decoding"], "prefilling": c["prefilling"],
         "suspended": c["suspended"], "parked": c["parked"], "passes": c["passes"],
         "slots_in_use": cache.n_slots - cache.free_slots, "slots_total": cache.n_slots,
         "pages_in_use": cache.state.pages.used_pages, "pages_total": cache.state.n_pages,
         "host_used": cache.host_used, "stats": dict(core.scheduler.stats), "steps": steps, "at": time.time(),
+        "decode_width": tally.width, "decode_steps": tally.decode_steps, "decode_rows": tally.decode_rows,
+        "prefill_rows": tally.prefill_rows,
     }

@@ -3,6 +3,11 @@
 Unknown fields are allowed through pydantic and then sorted by ``check_extra_fields``: fields that
 would change the meaning of the answer (``tools``, ``response_format``...) are a 400 naming the field;
 the rest are logged once and ignored.
+
+Text must be valid Unicode. JSON can spell a lone UTF-16 surrogate (``"\\ud800"``) that no UTF-8
+text contains; the tokenizer and the response encoder cannot take it, so a request holding one
+anywhere (any string, any key, any depth) is refused with a 400 naming the field, rather than
+repaired: a silent replacement would change the prompt the client sent.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +54,42 @@ class ImageURL(BaseModel):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "image_url"]
-    text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
-    image_url: ImageURL | None = None
+    text: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, validate_default=True)
+    image_url: ImageURL | None = Field(default=None, validate_default=True)
+
+    @field_validator("text")
+    @classmethod
+    def _text_present(cls, v, info: ValidationInfo):
+        """A text part without text would render as nothing: the client meant to send something."""
+        if v is None and info.data.get("type") == "text":
+            raise PydanticCustomError("missing_text", "a text part needs a 'text' string")
+        return v
+
+    @field_validator("image_url")
+    @classmethod
+    def _url_present(cls, v, info: ValidationInfo):
+        """Refused here rather than by the image worker: no thread is spent on a request that is malformed."""
+        if v is None and info.data.get("type") == "image_url":
+            raise PydanticCustomError("missing_image_url", "an image_url part needs an 'image_url' object with a 'url'")
+        return v
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = Field(default=None)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = Field(default=None, max_length=256)
     reasoning_content: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     tool_call_id: str | None = Field(default=None, max_length=256)
 
     @field_validator("content")
     @classmethod
-    def _content_size(cls, v):
+    def _content(cls, v, info: ValidationInfo):
+        """Only an assistant turn may omit its content (OpenAI allows ``null`` there, e.g. beside
+        tool calls); any other role without content would silently become an empty turn."""
+        if v is None and info.data.get("role") not in (None, "assistant"):
+            raise PydanticCustomError("missing_content", "a {role} message needs 'content' (a string or a list of "
+                                      "content parts)", {"role": info.data["role"]})
         if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
             raise ValueError(f"content longer than {MAX_TEXT_CHARS} characters")
         return v
@@ -90,6 +117,19 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Refuse lone surrogates before any field is parsed (see the module docstring)."""
+        where = find_lone_surrogate(data)
+        if where is not None:
+            param, what, pos = where
+            raise PydanticCustomError(
+                "invalid_unicode", "{what} contains a lone UTF-16 surrogate escape at character {pos}, which is not "
+                "valid Unicode; send real characters (astral ones as a surrogate pair or as raw UTF-8)",
+                {"param": param, "what": what, "pos": pos})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -121,6 +161,40 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+def _surrogate_at(s: str) -> int | None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def find_lone_surrogate(data: Any) -> tuple[str, str, int] | None:
+    """``(param, what, character index)`` of the first string (value or key) holding a lone surrogate.
+
+    Iterative, so a deeply nested body cannot overflow the stack; ``param`` uses the OpenAI path
+    style (``messages[0].content[1].text``)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        children: list[tuple[str, Any]] = []
+        if isinstance(value, str):
+            pos = _surrogate_at(value)
+            if pos is not None:
+                return path or "body", path or "the body", pos
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_s = str(key)
+                pos = _surrogate_at(key_s)
+                if pos is not None:
+                    return path or "body", f"a field name in {path or 'the body'}", pos
+                children.append((f"{path}.{key_s}" if path else key_s, item))
+        elif isinstance(value, list):
+            children = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        stack.extend(reversed(children))  # document order: the first bad string is the one named
+    return None
 
 
 # Fields that would change the answer if silently ignored: refuse them unless harmless.

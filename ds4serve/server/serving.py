@@ -6,6 +6,10 @@ aborted in the engine), logprobs, and the finish reason. Streaming responses mer
 SSE frames (``data: <json>\\n\\n``), send keep-alive comments while nothing is produced, and the
 first frame of each choice carries the role *and* its first token. Leaving a stream early (client
 disconnect, timeout) aborts every engine request of that HTTP request.
+
+A job carries its request's access-log record (``access_log.RequestRecord``, when it came over
+HTTP); the code here fills in its tokens, time to first token, finish reasons, errors and
+cancellation, and the access-log middleware writes the line when the answer is over.
 """
 
 from __future__ import annotations
@@ -116,6 +120,14 @@ class Job:
     arrival: float
     images: list[Any] | None = None
     streams: list = field(default_factory=list)  # accepted engine requests, one per choice
+    record: Any = None  # the request's access_log.RequestRecord (None outside HTTP)
+    cancelled: str | None = None  # why the server stopped it early, once it has
+    finished_choices: int = 0  # choices whose finish reason the consumer has seen
+
+    @property
+    def log_id(self) -> str:
+        """The id that names this request in log lines: its HTTP request id when it has one."""
+        return self.record.request_id if self.record is not None else self.request_id
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int,
@@ -245,6 +257,18 @@ class Serving:
             raise
         for p in job.prompts:
             self.state.metrics.prompt_tokens.inc(len(p))
+        if job.record is not None:
+            job.record.prompt_tokens = sum(len(p) for p in job.prompts)
+
+    def mark_cancelled(self, job: Job, reason: str) -> None:
+        """The server stops a job before its end ("client_disconnect" or "timeout"): say so once. A
+        client that leaves after the last finish reason (before ``[DONE]``) cancelled nothing."""
+        if job.cancelled is not None or job.finished_choices == len(job.params):
+            return
+        job.cancelled = reason
+        if job.record is not None:
+            job.record.cancelled = reason
+        log.info("cancelled %s (%s; engine requests %s-*)", job.log_id, reason.replace("_", " "), job.request_id)
 
     def _refusal(self, exc: BaseException) -> None:
         """Turn an engine refusal into the HTTP error the client should see (other errors pass)."""
@@ -275,6 +299,7 @@ class Serving:
                 if ev is None:
                     remaining -= 1
                     continue
+                _note_event(job, ev)
                 yield ev
         finally:
             for t in tasks:
@@ -337,30 +362,28 @@ class Serving:
         because a server only notices a dead socket when it next writes to it: without the watch, a
         client that leaves during a long (image) prefill would keep its request computing until the
         first token or keep-alive."""
-        created = int(time.time())
-        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-        deadline = job.arrival + self.state.limits.request_timeout_s
-        started: set[int] = set()
-        completion = [0] * len(job.params)
+        limits = self.state.limits
+        deadline = job.arrival + limits.request_timeout_s
+        frames = _StreamFrames(job, model_id, self._chunk)
         events = self.events(job)
         next_event = None
         gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        finished = False
         try:
             while True:
                 if next_event is None:
                     next_event = asyncio.ensure_future(events.__anext__())
-                left = deadline - time.monotonic()
                 waiting = {next_event} if gone is None else {next_event, gone}
-                done, _ = await asyncio.wait(waiting, timeout=max(0.0, min(self.state.limits.keepalive_s, left)),
-                                             return_when=asyncio.FIRST_COMPLETED)
+                wait = max(0.0, min(limits.keepalive_s, deadline - time.monotonic()))
+                done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if gone is not None and gone in done:
-                    log.info("client disconnected; cancelled %s", job.request_id)
+                    self.mark_cancelled(job, "client_disconnect")
                     return
                 if not done:
                     if time.monotonic() >= deadline:
-                        yield _frame({"error": {"message": f"the request did not finish within "
-                                                f"{self.state.limits.request_timeout_s:.0f} s", "type": "server_error",
-                                                "param": None, "code": "timeout"}})
+                        self.mark_cancelled(job, "timeout")
+                        yield frames.error(f"the request did not finish within {limits.request_timeout_s:.0f} s",
+                                           "timeout")
                         break
                     yield ": keep-alive\n\n"
                     continue
@@ -370,25 +393,16 @@ class Serving:
                     next_event = None
                     break
                 next_event = None
-                if ev.finish_reason == "error":
-                    yield _frame({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                            "param": None, "code": "generation_failed"}})
-                    continue
-                if ev.usage:
-                    completion[ev.index] = ev.usage[1]
-                if not ev.text and not ev.finish_reason and ev.index in started and not ev.logprobs:
-                    continue
-                chunk = self._chunk(job, ev, ev.index not in started)
-                started.add(ev.index)
-                yield _frame({"id": job.request_id, "object": obj, "created": created, "model": model_id,
-                              "choices": [chunk], **({"usage": None} if job.include_usage else {})})
+                frame = frames.event(ev)
+                if frame:
+                    yield frame
             if job.include_usage and next_event is None:
-                usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(completion)}
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                yield _frame({"id": job.request_id, "object": obj, "created": created, "model": model_id,
-                              "choices": [], "usage": usage})
+                yield frames.usage()
             yield "data: [DONE]\n\n"
+            finished = True
         finally:
+            if not finished:  # the response was torn down mid-stream (Starlette saw the disconnect first)
+                self.mark_cancelled(job, "client_disconnect")
             for fut in (next_event, gone):
                 if fut is not None and not fut.done():
                     fut.cancel()
@@ -404,6 +418,40 @@ class Serving:
         return {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 
 
+class _StreamFrames:
+    """The SSE frames of one streaming job: chunks (the first per choice carries the role), usage, errors."""
+
+    def __init__(self, job: Job, model_id: str, chunk: Callable[[Job, Event, bool], dict]):
+        self.job, self.model_id, self.chunk = job, model_id, chunk
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        self.started: set[int] = set()
+        self.completion = [0] * len(job.params)
+
+    def event(self, ev: Event) -> str | None:
+        """The frame for one event, or None when it carries nothing the client needs."""
+        if ev.finish_reason == "error":
+            return self.error(f"generation failed: {ev.error}", "generation_failed")
+        if ev.usage:
+            self.completion[ev.index] = ev.usage[1]
+        if not ev.text and not ev.finish_reason and ev.index in self.started and not ev.logprobs:
+            return None
+        chunk = self.chunk(self.job, ev, ev.index not in self.started)
+        self.started.add(ev.index)
+        return _frame({"id": self.job.request_id, "object": self.obj, "created": self.created, "model": self.model_id,
+                       "choices": [chunk], **({"usage": None} if self.job.include_usage else {})})
+
+    def usage(self) -> str:
+        usage = {"prompt_tokens": sum(len(p) for p in self.job.prompts), "completion_tokens": sum(self.completion)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return _frame({"id": self.job.request_id, "object": self.obj, "created": self.created,
+                       "model": self.model_id, "choices": [], "usage": usage})
+
+    @staticmethod
+    def error(message: str, code: str) -> str:
+        return _frame({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
+
+
 def _completion_logprobs(entries: list[dict]) -> dict:
     offsets, pos = [], 0
     for e in entries:
@@ -412,6 +460,20 @@ def _completion_logprobs(entries: list[dict]) -> dict:
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}
+
+
+def _note_event(job: Job, ev: Event) -> None:
+    """Count finished choices; fill the access-log record: first token time, finish reason, tokens."""
+    job.finished_choices += ev.finish_reason is not None
+    rec = job.record
+    if rec is None:
+        return
+    if ev.token_ids:
+        rec.tokens_out(ev.index, len(ev.token_ids))
+    if ev.finish_reason is not None:
+        rec.finished(ev.index, ev.finish_reason, ev.usage[1] if ev.usage else None)
+        if ev.error:
+            rec.error = f"generation_failed: {ev.error}"
 
 
 def _frame(obj: dict) -> str:

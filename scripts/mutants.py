@@ -1,0 +1,119 @@
+"""Mutation probe: do the tests that should guard a behaviour catch a one-line bug in it?
+
+Each mutant replaces one line of the package in a scratch copy of the repository, then runs the
+tests named for it there (``PYTHONPATH`` points at the copy). A mutant is *caught* when those tests
+fail, and *survives* when they pass: then nothing guards that behaviour. Not part of CI (each
+mutant reruns real tests); run it after changing a guarded area:
+
+    python scripts/mutants.py            # all mutants
+    python scripts/mutants.py d e        # some of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    key: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant("a", "image spans attend causally only (visibility widening removed)", "ds4serve/cache/view.py",
+           "    _widen_spans(g, chunks, lo, hi, window, max_image_tokens)", "    pass",
+           ("tests/test_vision_oracles.py",)),
+    Mutant("b1", "image tokens ignore bias_vl", "ds4serve/model/moe.py",
+           "        sel_img = scores + bias_vl.float()", "        sel_img = sel", ("tests/test_vision_oracles.py",)),
+    Mutant("b2", "image tokens routed through the hash table", "ds4serve/model/moe.py",
+           "        idx = hashed if is_image is None else torch.where(is_image.unsqueeze(-1), idx, hashed)",
+           "        idx = hashed", ("tests/test_vision_oracles.py",)),
+    Mutant("c", "sentinel embedding rows swapped (PAD<->NEWLINE, START<->END)", "ds4serve/model/decoder.py",
+           "            kinds = (ids - self.cfg.vocab_size).clamp(0, 4)",
+           "            kinds = (4 - (ids - self.cfg.vocab_size)).clamp(0, 4)", ("tests/test_vision_oracles.py",)),
+    Mutant("d", "a request inside a running pass picked as preemption victim", "ds4serve/scheduler/scheduler.py",
+           "                   if r.pass_id is None and self.cache.state.pages.owned(r.slot) > 0]",
+           "                   if self.cache.state.pages.owned(r.slot) > 0]", ("tests/test_preemption.py",)),
+    Mutant("e", "a request that is not recomputable dropped anyway", "ds4serve/scheduler/scheduler.py",
+           "        elif victim.recomputable:", "        elif True:", ("tests/test_preemption.py",)),
+    Mutant("f", "validator skips the check that a token's request matches its planned slot",
+           "ds4serve/engine/plan.py", "        if expected[tok.slot] != tok.request_id:", "        if False:",
+           ("tests/test_step_contract.py",)),
+    Mutant("g", "validator skips the 'pass reported no progress' check", "ds4serve/engine/plan.py",
+           "    if reported != set(planned_passes):", "    if False:", ("tests/test_step_contract.py",)),
+    Mutant("h", "staging sized by the budget alone (no overshoot)", "ds4serve/scheduler/core.py",
+           "    staging = max_chunk_len(s.max_prefill_tokens, s.min_prefill_tokens,",
+           "    staging = s.max_prefill_tokens or max_chunk_len(s.max_prefill_tokens, s.min_prefill_tokens,",
+           ("tests/test_isolation_engine.py",)),
+    Mutant("i", "a failed step fails everyone in it (no undo)", "ds4serve/scheduler/scheduler.py",
+           "            if r in alone:", "            if True:", ("tests/test_isolation.py",)),
+    Mutant("j", "IMAGE slots without rows not refused", "ds4serve/engine/plan.py",
+           "    if len(filled) != len(set(filled)) or set(filled) != slots:", "    if False:",
+           ("tests/test_isolation_engine.py",)),
+    Mutant("k", "sampling RNG not re-seeded per token (a retried draw differs)", "ds4serve/engine/sampling.py",
+           "        self.generator.manual_seed(token_seed(self.base_seed, len(self.output_ids)))", "        pass",
+           ("tests/test_sampling.py",)),
+]
+
+
+def _copy(dst: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", "out")
+    shutil.copytree(ROOT, dst, ignore=ignore, dirs_exist_ok=True)
+
+
+def _run_tests(tree: Path, tests: tuple[str, ...]) -> bool:
+    """True when the tests pass in ``tree``."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    return subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def probe(m: Mutant, tree: Path) -> str:
+    """Apply ``m`` to a fresh scratch copy and run its tests; 'caught', 'SURVIVED' or why not run."""
+    target = tree / m.path
+    text = target.read_text()
+    if text.count(m.old) != 1:
+        return f"not applied ({text.count(m.old)} matches for its line: update the mutant)"
+    target.write_text(text.replace(m.old, m.new))
+    try:
+        return "SURVIVED" if _run_tests(tree, m.tests) else "caught"
+    finally:
+        target.write_text(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("keys", nargs="*", help="mutants to run (default: all)")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if not args.keys or m.key in args.keys]
+    with tempfile.TemporaryDirectory(prefix="ds4serve-mutants-") as tmp:
+        tree = Path(tmp)
+        _copy(tree)
+        baseline = sorted({t for m in chosen for t in m.tests})
+        if not _run_tests(tree, tuple(baseline)):
+            print("the named tests fail without any mutant: fix them first", file=sys.stderr)
+            return 2
+        survived = 0
+        for m in chosen:
+            verdict = probe(m, tree)
+            survived += verdict != "caught"
+            print(f"{m.key:>3}  {verdict:<9} {m.what}  [{' '.join(m.tests)}]", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
