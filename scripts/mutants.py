@@ -63,7 +63,7 @@ MUTANTS = [
            "            if r in alone:", "            if True:", ("tests/test_isolation.py",)),
     Mutant("j", "IMAGE slots without rows not refused", "ds4serve/engine/plan.py",
            "    if len(filled) != len(set(filled)) or set(filled) != slots:", "    if False:",
-           ("tests/test_isolation_engine.py",)),
+           ("tests/test_isolation.py",)),
     Mutant("k", "sampling RNG not re-seeded per token (a retried draw differs)", "ds4serve/engine/sampling.py",
            "        self.generator.manual_seed(token_seed(self.base_seed, len(self.output_ids)))", "        pass",
            ("tests/test_sampling.py",)),

@@ -25,14 +25,15 @@ def _fault_leaked_slot_on_image_abort(monkeypatch):
     """A request aborted while its image pass is in flight keeps its slot (the classic leak)."""
     from ds4serve.scheduler.scheduler import Scheduler
 
-    original = Scheduler._leave_pass
+    original = Scheduler._finish
 
-    def leaky(self, req):
-        original(self, req)
-        slot = req.slot
-        self.cache.drop = (lambda s, _orig=self.cache.drop: None if s == slot else _orig(s))
+    def leaky(self, req, status, error=None, new=None):
+        if req.pass_id is not None and req in self.running:  # ending mid-pass: its slot is never freed
+            slot = req.slot
+            self.cache.drop = (lambda s, _orig=self.cache.drop: None if s == slot else _orig(s))
+        original(self, req, status, error, new)
 
-    monkeypatch.setattr(Scheduler, "_leave_pass", leaky)
+    monkeypatch.setattr(Scheduler, "_finish", leaky)
 
 
 def _fault_encoder_outlives_request(monkeypatch):

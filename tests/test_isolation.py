@@ -114,3 +114,27 @@ def test_a_stale_slot_handle_cannot_touch_the_reused_slot():
     assert cache.reserve({new: 10}) and cache.block_table(new)
     cache.drop(new)
     assert cache.leaks() == ""
+
+
+def test_image_slots_must_carry_exactly_their_rows():
+    """A chunk whose IMAGE slots lack rows (or whose rows sit elsewhere) is refused before compute,
+    naming the member: embedding it would silently use the sentinel vector instead of the image."""
+    import torch
+
+    from ds4serve.engine.plan import PassMember, PassSlice, StepPlan, member_problems
+
+    image = 102  # the IMAGE sentinel id of a 100-token vocabulary (vocab_size + 2)
+    ids = (5, 101, 100, image, image, 103, 104)  # text, PAD, START, two IMAGE slots, NEWLINE, END
+    rows = torch.zeros(2, 8)
+
+    def plan(images) -> StepPlan:
+        m = PassMember("r", 0, 10, ids, sample=True, images=images)
+        return StepPlan(1, (), (PassSlice(1, 0, 4, (m,)),))
+
+    assert member_problems(plan((((13, 14), rows),)), staging_rows=64, image_slot_id=image) == {}
+    for images in ((), (((14, 15), rows),), (((13, 13), rows),)):  # none, shifted, one slot twice
+        problems = member_problems(plan(images), staging_rows=64, image_slot_id=image)
+        assert "image rows missing or misplaced" in problems["r"], images
+    assert "rows" in member_problems(plan((((13, 14), rows[:1]),)), 64, image)["r"]  # count mismatch
+    assert "staging" in member_problems(plan((((13, 14), rows),)), staging_rows=4, image_slot_id=image)["r"]
+    assert member_problems(plan(()), staging_rows=64, image_slot_id=None) == {}  # text-only model
