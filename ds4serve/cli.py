@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=1024)
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
     serve.add_argument("--image-rows-budget", default=None, help="memory for retained image rows (e.g. 512MiB)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
     serve.add_argument("--allow-image-hosts", default="",
                        help="comma-separated hosts (or *.domain) that http(s) image URLs may come from; "
                             "empty (default): only base64 data: URLs")
@@ -182,6 +184,14 @@ def _serve(args) -> int:
     except BindError as exc:
         print(f"ds4serve: {exc}", file=sys.stderr)
         return 2
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print("ds4serve: --threads must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+    logging.getLogger(__name__).info("torch uses %d CPU threads", torch.get_num_threads())
     random_weights = False
     model = args.model
     served = args.served_model_name

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4serve.cache import ImageSpan, ModelState, SeqChunk, StateLayout, build_view
+from ds4serve.cache import view as view_module
 from ds4serve.config import ModelConfig
 from ds4serve.model.decoder import DS4ForCausalLM
 from ds4serve.model.norms import rms_norm, rms_norm_unweighted
@@ -363,27 +364,31 @@ def _oracle_attention(case: Case, attn, x: torch.Tensor, seq: Seq, first: int,
     return attn.o_b_proj(z)
 
 
-def _engine_attention(case: Case, layer: int, xs: list[torch.Tensor]
+def _engine_attention(case: Case, layer: int, xs: list[torch.Tensor], spy_on: bool = True
                       ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[SeqChunk]]:
-    """Run one attention layer over the split forwards; (last output, compressed keys per token)."""
+    """Run one attention layer over the split forwards; (last output, compressed keys per token).
+
+    Call with the per-query gather path forced (see ``test_attention_window_oracle``): the spy reads
+    the compressed keys each query was given."""
     attn, state = case.model.model.layers[layer].self_attn, case.state()
     captured = []
-    if attn.compressor is not None:
-        inner = attn.compressor.forward
+    spy_on = spy_on and attn.compressor is not None
+    if spy_on:
+        inner = attn.compressor.gathered
 
         def spy(*a, **kw):
             captured.append(inner(*a, **kw))
             return captured[-1]
 
-        attn.compressor.forward = spy
+        attn.compressor.gathered = spy
     try:
         for chunks in case.chunks(split=True):
             x = torch.cat([xs[c.slot][c.start:c.start + len(c)] for c in chunks])
             view = case.view(chunks)
             out = attn(x, view, state.layers[layer], case.model.rope_tables(view))
     finally:
-        if attn.compressor is not None:
-            del attn.compressor.forward
+        if spy_on:
+            del attn.compressor.gathered
     comp = None
     if captured:
         keys, valid = captured[-1]
@@ -394,14 +399,22 @@ def _engine_attention(case: Case, layer: int, xs: list[torch.Tensor]
     return out, comp, chunks
 
 
-def test_attention_window_oracle(case: Case) -> None:
+def test_attention_window_oracle(case: Case, monkeypatch) -> None:
+    """The per-query gather path against the oracle; then the tiled path (shared key blocks, used for
+    long prefill chunks) must give the same outputs."""
     widths = [e - s + 1 for q in case.seqs for s, e in q.spans()]
     assert max(widths) > case.cfg.sliding_window and max(len(q.blocks) for q in case.seqs) > 1
     gen = torch.Generator().manual_seed(11)
     xs = [torch.randn(len(s.ids), case.cfg.hidden_size, generator=gen) for s in case.seqs]
+    tiles_used = False
     for layer in range(case.cfg.num_layers):
         with torch.no_grad():
+            tiled, _, _ = _engine_attention(case, layer, xs, spy_on=False)
+            tiles_used |= bool(case.view(case.chunks(split=True)[-1]).tiles)
+            monkeypatch.setattr(view_module, "TILE_MIN", 10**9)
             got, comp, chunks = _engine_attention(case, layer, xs)
+            monkeypatch.undo()
+            torch.testing.assert_close(tiled, got, rtol=0, atol=3e-5 * float(got.abs().max()))
             off = 0
             for c in chunks:
                 s, n = case.seqs[c.slot], len(c)
@@ -413,6 +426,7 @@ def test_attention_window_oracle(case: Case) -> None:
                 bad = [(c.start + i, s.ids[c.start + i] - VOCAB) for i in range(n) if err[i] > tol]
                 assert not bad, f"layer {layer} seq {c.slot}: wrong attention at (pos, type) {bad[:8]}"
                 off += n
+    assert tiles_used, "no chunk of this config was long enough to use query tiles"
 
 
 # ---- whole-stack dependencies ---------------------------------------------------------------------

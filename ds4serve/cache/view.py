@@ -12,6 +12,13 @@ over tokens), once per forward, and moved to the model's device in one go. The i
   ``[min(p-W+1, s), p + min(e-p, M)]``, future span tokens included (spec ds4-vision §4.1); lead pads,
   text and compressed rows stay causal. A block must lie wholly inside one chunk: a chunk that would
   split one is refused here, loudly, never computed with the wrong mask.
+
+Queries of one prefill chunk share almost all their keys, so long chunks are cut into *query
+tiles* (``QueryTile``): each tile gets one sliding key block (positions ``[min lo, max hi]`` of its
+queries: ring rows before the chunk, then a contiguous run of this forward's rows) and a mask that
+keeps, for every query, exactly the rows of its own ``[lo, hi]`` list; and, per compress ratio, the
+visible rows of its last query with the per-query validity as mask. The per-query lists stay in
+the view for the other tokens (``gather_tokens``).
 """
 
 from __future__ import annotations
@@ -21,8 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.batch import BatchView, CompressIndex, VisibleRows
+from ..model.batch import BatchView, CompressIndex, QueryTile, VisibleRows
 from .layout import StateLayout
+
+# Prefill chunks of at least TILE_MIN tokens attend to shared key blocks in query tiles of at most
+# TILE tokens (memory O(TILE x (window + TILE)) per tile); shorter chunks and decode rows gather a
+# private key list per query, which is cheaper for them.
+TILE_MIN = 16
+TILE = 128
 
 
 class ViewError(RuntimeError):
@@ -102,6 +115,8 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
+    tiles, gather = _query_tiles(g, lo, hi, visible, window, n_slots * window)
+
     is_image = tensors["ids"] >= layout.cfg.vocab_size
     has_images = bool(is_image.any())
     rows_idx, rows = _image_rows(g, chunks)
@@ -115,7 +130,45 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
         compress={k: CompressIndex(**{f: dev(v) if isinstance(v, torch.Tensor) else v for f, v in ci.items()})
                   for k, ci in compress.items()},
         visible={k: VisibleRows(rows=dev(r), valid=dev(v)) for k, (r, v) in visible.items()},
+        tiles=tuple(QueryTile(start=t.start, stop=t.stop, ring_rows=dev(t.ring_rows), new_start=t.new_start,
+                              new_stop=t.new_stop, swa_mask=dev(t.swa_mask),
+                              comp_rows={k: dev(v) for k, v in t.comp_rows.items()},
+                              comp_mask={k: dev(v) for k, v in t.comp_mask.items()}) for t in tiles),
+        gather_tokens=dev(gather) if tiles and gather.numel() else None,
     )
+
+
+def _query_tiles(g: "_Geometry", lo: torch.Tensor, hi: torch.Tensor, visible: dict, window: int,
+                 n_ring: int) -> tuple[list[QueryTile], torch.Tensor]:
+    """Tiles for every chunk of at least ``TILE_MIN`` tokens, and the tokens left to the gather path."""
+    tiles: list[QueryTile] = []
+    tiled = torch.zeros(g.n_tokens, dtype=torch.bool)
+    for i in range(int(g.n.numel())):
+        n, off, c0 = int(g.n[i]), int(g.offset[i]), int(g.start[i])
+        if n < TILE_MIN:
+            continue
+        tiled[off:off + n] = True
+        for a in range(off, off + n, TILE):
+            tiles.append(_tile(g, i, a, min(a + TILE, off + n), lo, hi, visible, window, c0))
+    return tiles, torch.nonzero(~tiled).flatten()
+
+
+def _tile(g: "_Geometry", seq: int, a: int, b: int, lo: torch.Tensor, hi: torch.Tensor, visible: dict,
+          window: int, c0: int) -> QueryTile:
+    k_lo, k_hi = int(lo[a:b].min()), int(hi[a:b].max())
+    kp = torch.arange(k_lo, k_hi + 1, dtype=_I64)
+    mask = (kp >= lo[a:b].unsqueeze(1)) & (kp <= hi[a:b].unsqueeze(1))
+    before = kp[kp < c0]  # positions still in the slot's ring (read before this forward's writes)
+    off = int(g.offset[seq])
+    first_new = max(k_lo, c0)
+    comp_rows, comp_mask = {}, {}
+    for ratio, (rows, valid) in visible.items():
+        width = int(valid[b - 1].sum())  # the last query sees the most rows (positions grow)
+        comp_rows[ratio] = rows[b - 1, :width]
+        comp_mask[ratio] = valid[a:b, :width]
+    return QueryTile(start=a, stop=b, ring_rows=int(g.slot[seq]) * window + before.remainder(window),
+                     new_start=off + first_new - c0, new_stop=off + k_hi + 1 - c0, swa_mask=mask,
+                     comp_rows=comp_rows, comp_mask=comp_mask)
 
 
 def _check_spans(chunks: Sequence[SeqChunk]) -> None:

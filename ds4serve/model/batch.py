@@ -48,6 +48,25 @@ class VisibleRows:
 
 
 @dataclass(frozen=True)
+class QueryTile:
+    """Queries ``[start, stop)`` of one prefill chunk attending to shared key blocks.
+
+    Sliding keys: ``ring[ring_rows]`` (positions before the chunk, read before this forward writes the
+    ring) then this forward's rows ``[new_start, new_stop)``; ``swa_mask [t, K]`` keeps each query's own
+    window. Compressed keys per ratio: pool rows ``comp_rows[ratio] [R]`` with ``comp_mask[ratio] [t, R]``.
+    """
+
+    start: int
+    stop: int
+    ring_rows: torch.Tensor
+    new_start: int
+    new_stop: int
+    swa_mask: torch.Tensor
+    comp_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    comp_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class BatchView:
     """Everything a forward needs besides weights and state tensors."""
 
@@ -63,6 +82,8 @@ class BatchView:
     image_embeds: torch.Tensor | None = None  # [N, D] rows that replace the embedding of image slots
     image_rows: torch.Tensor | None = None  # [N] token index of each row of image_embeds
     sentinel_types: torch.Tensor | None = None  # [T] int: block token type (-1 for text)
+    tiles: tuple[QueryTile, ...] = ()  # long prefill chunks: shared key blocks (see cache/view.py)
+    gather_tokens: torch.Tensor | None = None  # [G] tokens outside tiles (None: none, or no tiles)
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,16 @@ def indexer_scores(q_idx: torch.Tensor, keys: torch.Tensor, head_weights: torch.
     return s.masked_fill(~valid, float("-inf"))
 
 
+def block_indexer_scores(q_idx: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,
+                         valid: torch.Tensor) -> torch.Tensor:
+    """``indexer_scores`` for queries that share one key block ``keys [R, d]`` (``valid [t, R]``)."""
+    n_tok, n_heads, d = q_idx.shape
+    dots = (q_idx.float().reshape(n_tok * n_heads, d) @ keys.float().t()).view(n_tok, n_heads, -1)
+    dots = F.relu(dots) * (d**-0.5)
+    s = (dots * head_weights.float().unsqueeze(-1)).sum(dim=1)
+    return s.masked_fill(~valid, float("-inf"))
+
+
 def select_top_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` columns per query with a deterministic tie-break (lower row index first).
 

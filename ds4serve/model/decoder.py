@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import AttnKind, ModelConfig
-from .attention import gather_rows, sink_attention
-from .batch import BatchView, LayerState
-from .compressor import finish_rows, indexer_scores, pool_windows, select_top_rows, token_states
+from .attention import block_sink_attention, gather_rows, sink_attention
+from .batch import BatchView, LayerState, QueryTile
+from .compressor import (block_indexer_scores, finish_rows, indexer_scores, pool_windows, select_top_rows,
+                         token_states)
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import route, run_experts, swiglu
 from .norms import rms_norm, rms_norm_unweighted
@@ -97,23 +98,43 @@ class Compressor(nn.Module):
         self.kv_norm = Norm(cfg.head_dim)
         self.indexer = Indexer(cfg, self.ratio) if self.overlap else None
 
-    def forward(self, x, qr, view: BatchView, st: LayerState, rope: RopeTables):
-        """Emit closing windows into the pools; return the compressed keys each query sees."""
+    def emit(self, x, qr, view: BatchView, st: LayerState, rope: RopeTables):
+        """Emit closing windows into the pools (and the indexer's); returns the indexer's per-token
+        inputs ``(q_idx [T, H, d], head weights [T, H])``, or ``None`` without an indexer."""
         key = (self.ratio, self.overlap)
         self._emit(x, view, rope, key, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm,
                    st.comp_ring, st.comp_pool)
-        vis = view.visible[self.ratio]
         if self.indexer is None:
-            return gather_rows(st.comp_pool, vis.rows), vis.valid
+            return None
         ix = self.indexer
         self._emit(x, view, rope, key, ix.kv_proj, ix.gate_proj, ix.position_bias, ix.kv_norm,
                    st.idx_ring, st.idx_pool)
         n_tok = x.shape[0]
         q_idx = apply_rope(ix.q_b_proj(qr).view(n_tok, self.cfg.index_n_heads, -1), rope.compress)
         head_w = ix.scorer.weights_proj(x).float() * (self.cfg.index_n_heads**-0.5)
-        scores = indexer_scores(q_idx, gather_rows(st.idx_pool, vis.rows), head_w, vis.valid)
+        return q_idx, head_w
+
+    def gathered(self, rows: torch.Tensor, valid: torch.Tensor, st: LayerState, index_in):
+        """Compressed keys per query (``rows``/``valid [G, R]``: its visible pool rows), gathered."""
+        if self.indexer is None:
+            return gather_rows(st.comp_pool, rows), valid
+        q_idx, head_w = index_in
+        scores = indexer_scores(q_idx, gather_rows(st.idx_pool, rows), head_w, valid)
         cols, ok = select_top_rows(scores, self.cfg.index_topk)
-        return gather_rows(st.comp_pool, vis.rows.gather(1, cols)), ok
+        return gather_rows(st.comp_pool, rows.gather(1, cols)), ok
+
+    def tile_keys(self, tile: QueryTile, st: LayerState, index_in):
+        """A tile's compressed keys: ``(block [R, d], mask [t, R])`` for HCA, where every query sees a
+        prefix of the same rows; ``(per-query top-k rows [t, k, d], valid [t, k])`` for CSA, whose
+        indexer picks different rows per query (scored against the shared block of indexer rows)."""
+        rows, mask = tile.comp_rows[self.ratio], tile.comp_mask[self.ratio]
+        if self.indexer is None:
+            return st.comp_pool.index_select(0, rows), mask
+        q_idx, head_w = index_in
+        a, b = tile.start, tile.stop
+        scores = block_indexer_scores(q_idx[a:b], st.idx_pool.index_select(0, rows), head_w[a:b], mask)
+        cols, ok = select_top_rows(scores, self.cfg.index_topk)
+        return gather_rows(st.comp_pool, rows[cols]), ok
 
     def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool) -> None:
         ci = view.compress[key]
@@ -149,15 +170,49 @@ class Attention(nn.Module):
         q = rms_norm_unweighted(self.q_b_proj(qr).view(n_tok, cfg.num_heads, cfg.head_dim), eps)
         q = apply_rope(q, rot)
         kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), rot)
-        keys = gather_rows(torch.cat((st.swa, kv)), view.swa_keys)
-        valid = view.swa_valid
+        tiles, g = view.tiles, view.gather_tokens
+        # every read of the sliding ring happens before this forward's writes to it
+        blocks = [torch.cat((st.swa.index_select(0, t.ring_rows), kv[t.new_start:t.new_stop])) for t in tiles]
+        keys = valid = None
+        if not tiles or g is not None:
+            keys_idx = view.swa_keys if g is None else view.swa_keys.index_select(0, g)
+            valid = view.swa_valid if g is None else view.swa_valid.index_select(0, g)
+            keys = gather_rows(torch.cat((st.swa, kv)), keys_idx)
         st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))
-        if self.compressor is not None:
-            ckeys, cvalid = self.compressor(x, qr, view, st, rope)
-            keys, valid = torch.cat((keys, ckeys), dim=1), torch.cat((valid, cvalid), dim=1)
-        out = sink_attention(q, keys, valid, self.sinks, cfg.head_dim**-0.5)
+        index_in = self.compressor.emit(x, qr, view, st, rope) if self.compressor is not None else None
+        if not tiles:
+            out = self._gathered(q, keys, valid, view, st, index_in, None)
+        else:
+            out = q.new_empty(q.shape)
+            if g is not None:
+                out.index_copy_(0, g, self._gathered(q.index_select(0, g), keys, valid, view, st, index_in, g))
+            for t, block in zip(tiles, blocks):
+                out[t.start:t.stop] = self._tile(q[t.start:t.stop], t, block, st, index_in)
         out = apply_rope(out, rot, inverse=True)
         return self.o_b_proj(self._grouped_out(out))
+
+    def _gathered(self, q, keys, valid, view: BatchView, st: LayerState, index_in, tokens):
+        """Attention of queries (``tokens``, or all) over their own gathered key lists."""
+        if self.compressor is not None:
+            vis = view.visible[self.compressor.ratio]
+            rows, vvalid = (vis.rows, vis.valid) if tokens is None else \
+                (vis.rows.index_select(0, tokens), vis.valid.index_select(0, tokens))
+            sub = index_in if index_in is None or tokens is None else \
+                (index_in[0].index_select(0, tokens), index_in[1].index_select(0, tokens))
+            ckeys, cvalid = self.compressor.gathered(rows, vvalid, st, sub)
+            keys, valid = torch.cat((keys, ckeys), dim=1), torch.cat((valid, cvalid), dim=1)
+        return sink_attention(q, keys, valid, self.sinks, self.cfg.head_dim**-0.5)
+
+    def _tile(self, q, tile: QueryTile, block: torch.Tensor, st: LayerState, index_in):
+        """Attention of one tile's queries over its shared sliding block (and compressed rows)."""
+        mask, extra, extra_valid = tile.swa_mask, None, None
+        if self.compressor is not None:
+            ckeys, cvalid = self.compressor.tile_keys(tile, st, index_in)
+            if self.compressor.indexer is None:  # shared rows: one block
+                block, mask = torch.cat((block, ckeys)), torch.cat((mask, cvalid), dim=1)
+            else:
+                extra, extra_valid = ckeys, cvalid
+        return block_sink_attention(q, block, mask, self.sinks, self.cfg.head_dim**-0.5, extra, extra_valid)
 
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         """Block-diagonal ``o_a``: each group of heads is projected by its own slice."""
