@@ -72,7 +72,7 @@ def static_decode_view(view: BatchView, bucket: int, window: int, scratch_rows: 
         swa_keys=_pad_rows(_pad_cols(view.swa_keys, window, 0), bucket),
         swa_valid=_pad_rows(_pad_cols(view.swa_valid, window, False), bucket),
         swa_dst=_pad_rows(view.swa_dst, bucket), swa_src=_pad_rows(view.swa_src, bucket),
-        compress=compress, visible=visible,
+        compress=compress, visible=visible, rings_after_write=view.rings_after_write,
     )
 
 
@@ -117,7 +117,7 @@ def _pad_cols(t: torch.Tensor, cols: int, fill) -> torch.Tensor:
 
 def view_key(view: BatchView) -> tuple:
     """Every shape of a view, in a fixed order: two views with one key can share a captured graph."""
-    key: list = [tuple(view.ids.shape), tuple(view.swa_keys.shape)]
+    key: list = [tuple(view.ids.shape), tuple(view.swa_keys.shape), view.rings_after_write]
     for k in sorted(view.compress):
         ci = view.compress[k]
         key.append((k, tuple(ci.emit_slots.shape), tuple(ci.ring_dst.shape)))

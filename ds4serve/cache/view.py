@@ -96,20 +96,23 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
 
     g = _Geometry.of(layout, chunks)
     window = layout.cfg.sliding_window
+    # a pure-decode forward (one token per sequence) reads the rings after its own writes, which then
+    # hold exactly each query's window and each closing compressor window (no copy of the whole ring)
+    after = all(len(c) == 1 for c in chunks)
     tensors: dict[str, torch.Tensor] = {}
     tensors["ids"] = torch.cat([torch.as_tensor(c.ids, dtype=_I64).reshape(-1) for c in chunks])
     tensors["positions"] = g.pos
     lo = (g.pos - (window - 1)).clamp(min=0)
     hi = g.pos.clone()
     _widen_spans(g, chunks, lo, hi, window, max_image_tokens)
-    keys, valid = _ring_gather(g, lo, hi, ring_len=window, n_ring=n_slots * window)
+    keys, valid = _ring_gather(g, lo, hi, ring_len=window, n_ring=n_slots * window, after_write=after)
     tensors.update(swa_keys=keys, swa_valid=valid)
     dst, src = _ring_writes(g, window)
     tensors.update(swa_dst=dst, swa_src=src)
 
     compress = {}
     for ratio, overlap in sorted({(ly.ratio, ly.overlap) for ly in layout.layers if ly.ratio}):
-        compress[(ratio, overlap)] = _compress_index(layout, g, ratio, overlap, n_slots)
+        compress[(ratio, overlap)] = _compress_index(layout, g, ratio, overlap, n_slots, after)
     visible = {ratio: _visible(layout, g, ratio) for ratio in layout.cfg.distinct_ratios}
 
     def dev(t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +138,7 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
                               comp_rows={k: dev(v) for k, v in t.comp_rows.items()},
                               comp_mask={k: dev(v) for k, v in t.comp_mask.items()}) for t in tiles),
         gather_tokens=dev(gather) if tiles and gather.numel() else None,
+        rings_after_write=after,
     )
 
 
@@ -260,8 +264,9 @@ class _Geometry:
 
 
 def _ring_gather(g: _Geometry, lo: torch.Tensor, hi: torch.Tensor, ring_len: int, n_ring: int,
-                 seq: torch.Tensor | None = None):
-    """Rows of ``cat(ring, new)`` for positions ``[lo, hi]`` per query; ``(index, valid)``."""
+                 seq: torch.Tensor | None = None, after_write: bool = False):
+    """Rows of ``cat(ring, new)`` for positions ``[lo, hi]`` per query; ``(index, valid)``. With
+    ``after_write`` (one token per sequence), rows of the ring itself as it is after the writes."""
     seq = g.seq if seq is None else seq
     width = max(1, int((hi - lo).max()) + 1) if lo.numel() else 1
     kp = lo.unsqueeze(1) + torch.arange(width, dtype=_I64)
@@ -270,7 +275,7 @@ def _ring_gather(g: _Geometry, lo: torch.Tensor, hi: torch.Tensor, ring_len: int
     from_ring = kp < c0
     ring_idx = g.slot[seq].unsqueeze(1) * ring_len + kp.remainder(ring_len)
     new_idx = n_ring + g.offset[seq].unsqueeze(1) + (kp - c0)
-    idx = torch.where(from_ring, ring_idx, new_idx)
+    idx = ring_idx if after_write else torch.where(from_ring, ring_idx, new_idx)
     return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
@@ -293,13 +298,15 @@ def _pool_rows(layout: StateLayout, g: _Geometry, seq: torch.Tensor, rows: torch
     return pages * rpp + rows.remainder(rpp)
 
 
-def _compress_index(layout: StateLayout, g: _Geometry, ratio: int, overlap: bool, n_slots: int) -> dict:
+def _compress_index(layout: StateLayout, g: _Geometry, ratio: int, overlap: bool, n_slots: int,
+                    after_write: bool) -> dict:
     span = ratio * (2 if overlap else 1)
     counts = (g.start + g.n) // ratio - g.start // ratio
     seq_e, j = _segments(counts)
     w = g.start[seq_e] // ratio + j
     first = w * ratio + ratio - span
-    slots, valid = _ring_gather(g, first, first + span - 1, ring_len=span, n_ring=n_slots * span, seq=seq_e)
+    slots, valid = _ring_gather(g, first, first + span - 1, ring_len=span, n_ring=n_slots * span, seq=seq_e,
+                                after_write=after_write)
     if slots.shape[1] != span:  # no windows close in this forward
         slots = torch.zeros(0, span, dtype=_I64)
         valid = torch.zeros(0, span, dtype=torch.bool)

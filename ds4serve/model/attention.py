@@ -17,20 +17,30 @@ import torch
 
 
 def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float,
+    extra: torch.Tensor | None = None, extra_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, d]``, ``kv [T, K, d]``, ``valid [T, K]`` bool, ``sinks [H]`` -> ``[T, H, d]``.
 
-    Softmax statistics are fp32 whatever the model dtype.
+    ``extra [T, k, d]`` (``extra_valid [T, k]``): a second group of keys per query (the compressed
+    rows) in the same softmax, without copying both groups into one tensor first. Softmax statistics
+    are fp32 whatever the model dtype.
     """
     n_tok, n_heads, _ = q.shape
     logits = torch.bmm(q, kv.transpose(1, 2)).float() * scale  # [T, H, K]
-    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink = sinks.float().view(1, n_heads, 1).expand(n_tok, n_heads, 1)
-    combined = torch.cat((logits, sink), dim=-1)
+    parts = [logits.masked_fill(~valid.unsqueeze(1), float("-inf"))]
+    if extra is not None:
+        own = torch.bmm(q, extra.transpose(1, 2)).float() * scale
+        parts.append(own.masked_fill(~extra_valid.unsqueeze(1), float("-inf")))
+    parts.append(sinks.float().view(1, n_heads, 1).expand(n_tok, n_heads, 1))
+    combined = torch.cat(parts, dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.bmm(probs.to(kv.dtype), kv)
+    probs = torch.softmax(combined, dim=-1)
+    width = kv.shape[1]
+    out = torch.bmm(probs[..., :width].to(kv.dtype), kv)
+    if extra is not None:
+        out = out + torch.bmm(probs[..., width:width + extra.shape[1]].to(extra.dtype), extra)
+    return out
 
 
 def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

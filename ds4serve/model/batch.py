@@ -84,6 +84,9 @@ class BatchView:
     sentinel_types: torch.Tensor | None = None  # [T] int: block token type (-1 for text)
     tiles: tuple[QueryTile, ...] = ()  # long prefill chunks: shared key blocks (see cache/view.py)
     gather_tokens: torch.Tensor | None = None  # [G] tokens outside tiles (None: none, or no tiles)
+    # True for a pure-decode forward (one token per sequence): swa_keys and emit_slots then index the
+    # rings themselves, read after this forward's writes; else they index cat(ring, new rows)
+    rings_after_write: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -139,11 +139,15 @@ class Compressor(nn.Module):
     def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool) -> None:
         ci = view.compress[key]
         states = token_states(x, wkv.weight, wgate.weight, ape, view.positions)
+        after = view.rings_after_write
+        if after:  # one token per sequence: the ring then holds each closing window whole
+            ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
         if ci.emit_rows.shape[0]:
-            slots = gather_rows(torch.cat((ring, states)), ci.emit_slots)
+            slots = gather_rows(ring if after else torch.cat((ring, states)), ci.emit_slots)
             pooled = pool_windows(slots, ci.emit_valid, self.overlap, self.ratio, norm.weight, self.cfg.rms_norm_eps)
             pool.index_copy_(0, ci.emit_rows, finish_rows(pooled, rope.emit[key], pool.dtype))
-        ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
+        if not after:
+            ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
 
 
 class Attention(nn.Module):
@@ -173,12 +177,15 @@ class Attention(nn.Module):
         tiles, g = view.tiles, view.gather_tokens
         # every read of the sliding ring happens before this forward's writes to it
         blocks = [torch.cat((st.swa.index_select(0, t.ring_rows), kv[t.new_start:t.new_stop])) for t in tiles]
-        keys = valid = None
+        keys = valid = keys_idx = None
         if not tiles or g is not None:
             keys_idx = view.swa_keys if g is None else view.swa_keys.index_select(0, g)
             valid = view.swa_valid if g is None else view.swa_valid.index_select(0, g)
-            keys = gather_rows(torch.cat((st.swa, kv)), keys_idx)
+            if not view.rings_after_write:
+                keys = gather_rows(torch.cat((st.swa, kv)), keys_idx)
         st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))
+        if keys_idx is not None and keys is None:  # decode rows: the ring now holds exactly their windows
+            keys = gather_rows(st.swa, keys_idx)
         index_in = self.compressor.emit(x, qr, view, st, rope) if self.compressor is not None else None
         if not tiles:
             out = self._gathered(q, keys, valid, view, st, index_in, None)
@@ -200,7 +207,7 @@ class Attention(nn.Module):
             sub = index_in if index_in is None or tokens is None else \
                 (index_in[0].index_select(0, tokens), index_in[1].index_select(0, tokens))
             ckeys, cvalid = self.compressor.gathered(rows, vvalid, st, sub)
-            keys, valid = torch.cat((keys, ckeys), dim=1), torch.cat((valid, cvalid), dim=1)
+            return sink_attention(q, keys, valid, self.sinks, self.cfg.head_dim**-0.5, ckeys, cvalid)
         return sink_attention(q, keys, valid, self.sinks, self.cfg.head_dim**-0.5)
 
     def _tile(self, q, tile: QueryTile, block: torch.Tensor, st: LayerState, index_in):
