@@ -241,6 +241,9 @@ def _maybe_launch(launch: bool):
                     time.sleep(0.2)
             yield base
         finally:
+            from .bench.memory import describe  # noqa: PLC0415
+
+            print(describe("the launched ds4serve server", proc.pid))
             proc.terminate()
             proc.wait(timeout=30)
 

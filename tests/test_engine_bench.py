@@ -51,3 +51,18 @@ def test_breakdown_of_a_real_engine(tmp_path):
     assert 0 < split["products_ms"] and 0 < split["step_ms"]
     assert split["decode_graphs"] == "off" and split["graph_replays"] == 0
     assert not ours.llm.core.has_work
+
+
+def test_peak_rss_is_read_for_this_process_and_unknown_for_a_missing_one():
+    import sys
+
+    import pytest
+
+    from ds4serve.bench.memory import describe, peak_rss_mib
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc")
+    big = bytearray(64 * 2**20)  # the high-water mark covers at least this
+    assert peak_rss_mib() >= 64 and "peak RSS" in describe("me")
+    assert peak_rss_mib(2**31 - 1) is None and describe("gone", 2**31 - 1).endswith("unknown")
+    del big

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .memory import describe
+
 log = logging.getLogger(__name__)
 
 APPENDIX_A = {
@@ -248,6 +250,7 @@ def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare
     rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
     print(render(rows, prompt_len, new_tokens, rounds, device))
     print(render_breakdown(split, rows))
+    print(describe("this process (both engines ran in it)"))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
                                                "breakdown": split}, indent=1))
