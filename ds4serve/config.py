@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -480,3 +481,9 @@ class EngineSettings:
         rows = parse_budget(self.image_rows_budget)
         if rows is not None and rows[0] != "bytes":
             raise ConfigError("image_rows_budget is a size in bytes, e.g. 256MiB")
+
+
+def cache_root() -> Path:
+    """Where generated files (the random placeholder checkpoint) are kept: ``$DS4SERVE_CACHE`` or
+    ``~/.cache/ds4serve``. Environment variables are read here and in the CLI only (DESIGN §8)."""
+    return Path(os.environ.get("DS4SERVE_CACHE") or Path.home() / ".cache" / "ds4serve")

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
+from ..config import ModelConfig, cache_root
 from ..model.loader import expected_tensors
 from ..model.vision import expected_vision_tensors
 from .byte_tokenizer import SPECIAL_ORDER, build_byte_tokenizer
@@ -72,8 +71,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DS4SERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ds4serve")
-    return Path(root) / VERSION
+    return cache_root() / VERSION
 
 
 def ensure_random_checkpoint(path: Path | None = None, vision: bool = True) -> Path:
