@@ -6,12 +6,69 @@ Environment variables are read here or in ``config.py`` only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+from .config import EngineSettings
+from .server.limits import ServerLimits
+
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
+
+# `serve` flags that set a settings field: flag -> (field, type, help). The default is the field's
+# own (``EngineSettings`` / ``ServerLimits``), so it lives in one place; flag names never change.
+_ENGINE_FLAGS = {
+    "--max-seqs": ("max_seqs", int, "concurrent sequence slots"),
+    "--max-model-len": ("max_model_len", int, "longest prompt + completion"),
+    "--kv-budget": ("kv_budget", str, "paged state budget: tokens (64k) or bytes (2GiB)"),
+    "--host-budget": ("host_budget", str, "host memory for suspended requests (bytes)"),
+    "--step-tokens": ("step_tokens", int, "step budget in tokens"),
+    "--max-queue": ("max_queue", int, "waiting requests before 503"),
+    "--decode-graphs": ("decode_graphs", str, "pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)"),
+    "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
+}
+_SERVER_FLAGS = {
+    "--request-timeout": ("request_timeout_s", float, "seconds per request"),
+    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies are refused with 413"),
+    "--default-max-tokens": ("default_max_tokens", int, "max_tokens when the request sends none"),
+}
+
+
+class _DecodeGraphModes:
+    """``engine.decode_graphs.MODES`` (the one list of modes), imported on first use so that
+    ``ds4serve --help`` does not import torch."""
+
+    @staticmethod
+    def _modes() -> tuple[str, ...]:
+        from .engine.decode_graphs import MODES  # noqa: PLC0415
+
+        return MODES
+
+    def __contains__(self, mode: object) -> bool:
+        return mode in self._modes()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modes())
+
+
+def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for flag, (name, typ, text) in table.items():
+        metavar = flag[2:].upper().replace("-", "_")
+        if name == "decode_graphs":  # an explicit metavar keeps argparse from listing the modes at build time
+            metavar, text, extra = "MODE", text + "; one of %(choices)s", {"choices": _DecodeGraphModes()}
+        else:
+            extra = {}
+        p.add_argument(flag, dest=name, type=typ, default=defaults[name], metavar=metavar,
+                       help=f"{text} (default: {defaults[name]})", **extra)
+
+
+def _settings(args: argparse.Namespace, cls: type, table: dict):
+    """The settings dataclass from the parsed flags of ``table`` (other fields keep their defaults)."""
+    return cls(**{name: getattr(args, name) for name, _, _ in table.values()})
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -34,7 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4serve", description="Serve DeepSeek-V4 / DS4V models.")
     parser.add_argument("--log-level", default=os.environ.get("DS4SERVE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate_and_info(sub)
+    _add_tiny(sub)
+    _add_bench(sub)
+    return parser
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     serve.add_argument("--model", type=Path, default=None,
                        help="checkpoint directory (default: the bundled tiny model)")
@@ -47,25 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
     serve.add_argument("--device", default=os.environ.get("DS4SERVE_DEVICE", "cpu"))
     serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--max-seqs", type=int, default=16, help="concurrent sequence slots")
-    serve.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
-    serve.add_argument("--kv-budget", default=None, help="paged state budget: tokens (64k) or bytes (2GiB)")
-    serve.add_argument("--host-budget", default=None, help="host memory for suspended requests (bytes)")
-    serve.add_argument("--step-tokens", type=int, default=256, help="step budget in tokens")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
-    serve.add_argument("--decode-graphs", default="auto", choices=["auto", "off", "static", "cuda"],
-                       help="pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    serve.add_argument("--max-body-bytes", type=int, default=48 * 2**20)
-    serve.add_argument("--default-max-tokens", type=int, default=1024)
+    _add_settings_flags(serve, EngineSettings, _ENGINE_FLAGS)
+    _add_settings_flags(serve, ServerLimits, _SERVER_FLAGS)
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
-    serve.add_argument("--image-rows-budget", default=None, help="memory for retained image rows (e.g. 512MiB)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
     serve.add_argument("--allow-image-hosts", default="",
                        help="comma-separated hosts (or *.domain) that http(s) image URLs may come from; "
                             "empty (default): only base64 data: URLs")
 
+
+def _add_generate_and_info(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate from token-id prompts (batched)")
     _add_model_args(gen)
     gen.add_argument("--prompt-ids", type=_parse_ids, action="append", required=True,
@@ -77,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print the model config and per-sequence state sizes")
     _add_model_args(info)
 
+
+def _add_tiny(sub: argparse._SubParsersAction) -> None:
     tiny = sub.add_parser("tiny", help="the bundled tiny DS4V model: train it, evaluate it")
     tsub = tiny.add_subparsers(dest="tiny_command", required=True)
     tr = tsub.add_parser("train", help="train the tiny DS4V model on CPU (synthetic shapes, math, reversal)")
@@ -94,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=2, help="held-out data seed (training uses other seeds)")
     ev.add_argument("--threads", type=int, default=None)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (not tests): measured figures and ratios")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     eng = bsub.add_parser("engine", help="decode tok/s at several stream counts vs transformers' generate")
@@ -135,7 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     img.add_argument("--step-tokens", type=int, default=24)
     img.add_argument("--threads", type=int, default=None)
     img.add_argument("--rounds", type=int, default=5, help="interleaved sliced / whole rounds (figures are medians)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,9 +233,7 @@ def _tiny(args) -> int:
 
 
 def _serve(args) -> int:
-    from .config import EngineSettings
     from .server.launch import BindError, build_state, check_binding, run
-    from .server.serving import ServerLimits
     from .tiny.random_model import default_model
 
     try:
@@ -198,11 +255,8 @@ def _serve(args) -> int:
     if model is None:
         model, random_weights = default_model()
         served = served or "ds4v-tiny"  # the same id before and after the trained model ships
-    settings = EngineSettings(max_seqs=args.max_seqs, max_model_len=args.max_model_len, kv_budget=args.kv_budget,
-                              host_budget=args.host_budget, step_tokens=args.step_tokens, max_queue=args.max_queue,
-                              image_rows_budget=args.image_rows_budget, decode_graphs=args.decode_graphs)
-    limits = ServerLimits(request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                          default_max_tokens=args.default_max_tokens)
+    settings = _settings(args, EngineSettings, _ENGINE_FLAGS)
+    limits = _settings(args, ServerLimits, _SERVER_FLAGS)
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
                         api_key=args.api_key, served_name=served, random_weights=random_weights,

@@ -336,10 +336,26 @@ def _parse_eos(d: dict) -> tuple[int, ...]:
     raise ConfigError(f"config field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
 
 
-def _parse(d: dict) -> ModelConfig:
+def _check_model_type(d: dict) -> None:
     model_type = d.get("model_type", "deepseek_v4")
     if model_type not in ("deepseek_v4", "deepseek_v4_vl", "deepseek_v4_vision"):
         raise ConfigError(f"config field 'model_type' = {model_type!r} is not a DeepSeek-V4 model")
+
+
+def _check_unsupported(d: dict) -> None:
+    """Fields that would change the network in ways this implementation does not support."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config field 'hidden_act' = {d.get('hidden_act')!r}: only 'silu' is supported")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ConfigError("config fields 'attention_bias' / 'mlp_bias' must be false for DeepSeek-V4")
+    quant = d.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError("config field 'quantization_config' must be an object")
+
+
+def _parse(d: dict) -> ModelConfig:
+    """The field table of ``ModelConfig``: each field read (HF name, default) and checked."""
+    _check_model_type(d)
     n_layers = _req_int(d, "num_hidden_layers", 43)
     hidden = _req_int(d, "hidden_size", 4096)
     heads = _req_int(d, "num_attention_heads", 64)
@@ -362,13 +378,7 @@ def _parse(d: dict) -> ModelConfig:
     rope_dim = _parse_rope_dim(d, head_dim)
     if any(k is AttnKind.CSA for k in kinds) and rope_dim > index_head_dim:
         raise ConfigError(f"config field 'index_head_dim' ({index_head_dim}) must be >= qk_rope_head_dim ({rope_dim})")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config field 'hidden_act' = {d.get('hidden_act')!r}: only 'silu' is supported")
-    if d.get("attention_bias") or d.get("mlp_bias"):
-        raise ConfigError("config fields 'attention_bias' / 'mlp_bias' must be false for DeepSeek-V4")
-    quant = d.get("quantization_config")
-    if quant is not None and not isinstance(quant, dict):
-        raise ConfigError("config field 'quantization_config' must be an object")
+    _check_unsupported(d)
     return ModelConfig(
         vocab_size=_req_int(d, "vocab_size", 129280),
         hidden_size=hidden,
@@ -458,7 +468,9 @@ class EngineSettings:
     page_tokens: int | None = None  # raw positions per page (multiple of every compress ratio)
     image_rows_budget: str | int | None = None  # retained encoded image rows (bytes; default 256 MiB)
     warmup: bool = True  # run a warm-up request through every path at start-up
-    decode_graphs: str = "auto"  # pure-decode steps: "auto" (CUDA graphs on CUDA, else off), "off", "static", "cuda"
+    # pure-decode steps, one of engine.decode_graphs.MODES ("auto": CUDA graphs on CUDA, else off); checked
+    # by the runtime (this module is a leaf and does not restate the list)
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -468,8 +480,6 @@ class EngineSettings:
             (1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
              "min_prefill_tokens must be in [1, max_prefill_tokens]"),
             (self.prefill_mode in ("chunk", "layers"), "prefill_mode must be 'chunk' or 'layers'"),
-            (self.decode_graphs in ("auto", "off", "static", "cuda"),
-             "decode_graphs must be 'auto', 'off', 'static' or 'cuda'"),
             (self.max_queue >= 1, "max_queue must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
         ]

@@ -1,6 +1,6 @@
 """The Python API: ``LLM(path).generate(prompts, ...)`` and ``LLM(path).prompt_logits(ids)``.
 
-``generate`` submits every prompt to the same engine the server uses (``EngineCore``) and steps
+``generate`` submits every prompt to the same engine the server uses (``runtime.EngineCore``) and steps
 it in the calling thread: each step is one flattened forward holding the decode rows of all
 running sequences (at different lengths) plus prompt chunks within the step budget. Nothing is
 padded, so each prompt gets exactly the tokens it would get alone.
@@ -20,7 +20,7 @@ from .config import EngineSettings
 from .engine import ModelRunner
 from .engine.sampling import SamplingParams
 from .model import load_model, parse_dtype
-from .scheduler.core import EngineCore
+from .runtime import EngineCore
 from .scheduler.scheduler import QueueFull
 
 log = logging.getLogger(__name__)

@@ -8,22 +8,25 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "ds4serve"
 
 # Every module of ds4serve, as a unit (a package, or a top-level module), and the units it may import.
-# Layers point downward (server -> scheduler -> engine -> cache -> model); multimodal, chat and config
-# are leaves that import nothing else of ds4serve; llm, cli, bench and tiny sit on top. One table, so a
-# new edge is a visible change here (DESIGN §2).
+# Layers point downward (server -> runtime -> scheduler -> engine -> cache -> model); multimodal, chat
+# and config are leaves that import nothing else of ds4serve; llm, cli, bench and tiny sit on top. The
+# server's one door below it is runtime (plus the leaves). One table, so a new edge is a visible change
+# here (DESIGN §2).
 LEAVES = {"config", "multimodal", "chat"}
 ALLOWED = {
     "config": set(), "multimodal": set(), "chat": set(),
     "model": {"config"},
-    "cache": {"config", "model"},  # model/batch.py only (checked below)
+    "cache": {"config", "model", "multimodal"},  # model/batch.py only (checked below); the image records
     "engine": {"config", "cache", "model", "multimodal"},
     "scheduler": {"config", "engine", "cache", "model", "multimodal"},
-    "server": {"config", "scheduler", "engine", "cache", "model", "multimodal", "chat", "tiny"},
-    "llm": {"config", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
-    "tiny": {"config", "llm", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
-    "bench": {"config", "llm", "server", "scheduler", "engine", "cache", "model", "multimodal", "chat", "tiny"},
-    "cli": {"config", "llm", "server", "bench", "tiny", "scheduler", "engine", "cache", "model", "multimodal",
-            "chat"},
+    "runtime": {"config", "scheduler", "engine", "cache", "model", "multimodal"},
+    "server": {"config", "runtime", "multimodal", "chat"},
+    "llm": {"config", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
+    "tiny": {"config", "llm", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
+    "bench": {"config", "llm", "server", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat",
+              "tiny"},
+    "cli": {"config", "llm", "server", "bench", "tiny", "runtime", "scheduler", "engine", "cache", "model",
+            "multimodal", "chat"},
     "__init__": {"llm", "config"},
 }
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: the engine loop in its own thread behind an asyncio API."""
+"""EngineLoop: the engine loop in its own thread behind an asyncio API."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
-from ds4serve.scheduler.async_engine import AsyncEngine
-from ds4serve.scheduler.core import EngineCore
+from ds4serve.runtime import EngineLoop
+from ds4serve.runtime import EngineCore
 from ds4serve.scheduler.scheduler import RequestTooLarge
 from model_helpers import random_ids
 
@@ -17,7 +17,7 @@ from model_helpers import random_ids
 def async_engine(llm_factory):
     llm = llm_factory("A", max_seqs=6, max_model_len=512)
     core = EngineCore(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
-    eng = AsyncEngine(core).start()
+    eng = EngineLoop(core).start()
     yield eng, llm
     eng.shutdown()
 
@@ -68,7 +68,7 @@ def test_rejects_before_the_stream_opens(async_engine):
 def test_shutdown_answers_waiting_clients(llm_factory):
     llm = llm_factory("A", max_seqs=2)
     core = EngineCore(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
-    eng = AsyncEngine(core).start()
+    eng = EngineLoop(core).start()
 
     async def main():
         async def one(i):

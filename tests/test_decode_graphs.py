@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from ds4serve.cache import SeqChunk
 from ds4serve.cache.static_view import batch_buckets, bucket_for, static_decode_view, view_key, width_bucket
-from ds4serve.config import ConfigError, EngineSettings
+from ds4serve.config import ConfigError
 from ds4serve.engine.decode_graphs import DecodeRunner, resolve_mode
+from ds4serve.runtime import check_decode_graphs
 from model_helpers import random_ids
 
 
@@ -42,8 +43,8 @@ def test_modes():
     assert resolve_mode("static", torch.device("cpu")) == "static"
     with pytest.raises(ValueError, match="CUDA"):
         resolve_mode("cuda", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="decode_graphs"):
-        EngineSettings(decode_graphs="fast")
+    with pytest.raises(ConfigError, match="decode_graphs"):  # the runtime checks against MODES
+        check_decode_graphs("fast")
 
 
 def _snapshot(layers):

@@ -69,7 +69,7 @@ def _check_layout(prep: PreparedPrompt, source_ids: list[int]) -> None:
     covered = set()
     for img in prep.images:
         block = img.block
-        start, end = img.span
+        start, end = img.span.start, img.span.end
         assert prep.ids[start:end] == [VOCAB + int(t) for t in block.types]
         assert block == image_block(block.n_h, block.n_w, start)
         assert block.lead == 3 - start % 4

@@ -46,6 +46,9 @@ class FakeEncoder:
         self.live[request_id] = handles
         return handles
 
+    def ready(self, request_id: str):
+        return tuple(h.state() for h in self.live.get(request_id, ()))
+
     def cancel(self, request_id: str) -> None:
         self.live.pop(request_id, None)
 
@@ -129,7 +132,7 @@ def test_a_request_that_cannot_be_saved_fails_alone():
     core.add(keeper)
     core.add(lost)
     core.run_until_idle()
-    assert not lost.recomputable or lost.status.finished
+    assert not core.scheduler.recomputable(lost) or lost.status.finished
     assert lost.status is RequestStatus.FINISHED_ERROR and "out of cache memory" in lost.error, lost.error
     assert core.scheduler.stats["preempt_fail"] == 1 and core.scheduler.stats["preempt_drop"] == 0
     assert keeper.output_ids == expected_tokens(keeper.request_id, len(keeper.prompt_ids), 100)
@@ -141,8 +144,11 @@ def test_only_retained_rows_make_an_image_request_recomputable():
     kept, lost = _image_request(core, 3, 4), _image_request(core, 3, 4)
     enc.retain[lost.request_id] = False
     for r in (kept, lost):
-        r.encoded = enc.submit(r.request_id, r.images)
+        enc.submit(r.request_id, r.images)
+        r.images_submitted = True
     pending = _image_request(core, 3, 4)
-    pending.encoded = [EncodedImage(pending.request_id, 0, torch.zeros(1), 1, 1, (0,), (3,),
+    pending.images_submitted = True
+    enc.live[pending.request_id] = [EncodedImage(pending.request_id, 0, torch.zeros(1), 1, 1, (0,), (3,),
                                     ready=threading.Event())]  # still in the encoder: rows will come
-    assert kept.recomputable and pending.recomputable and not lost.recomputable
+    recomputable = core.scheduler.recomputable
+    assert recomputable(kept) and recomputable(pending) and not recomputable(lost)

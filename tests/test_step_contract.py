@@ -14,7 +14,7 @@ from ds4serve.config import EngineSettings, ModelConfig
 from ds4serve.engine.plan import (PassProgress, RowStatus, SampledToken, StepPlan, StepResult, validate_plan,
                                   validate_step_result)
 from ds4serve.engine.sampling import SamplingParams
-from ds4serve.scheduler.core import EngineCore, FatalStepError
+from ds4serve.runtime import EngineCore, FatalStepError
 from ds4serve.scheduler.request import RequestStatus
 
 TINY = {

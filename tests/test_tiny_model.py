@@ -148,7 +148,7 @@ def test_prefill_page_deadlock_is_broken(tok, monkeypatch):
     assert core.cache.free_pages == 0 and all(r.output_ids == [] for r in reqs)
     gate.set()
     for r in reqs:
-        assert all(h.ready.wait(30) for h in r.encoded)
+        assert core.encoder.wait(r.request_id, 30)
     for _ in range(2000):
         if not core.has_work:
             break

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.batch import BatchView, CompressIndex, QueryTile, VisibleRows
+from ..multimodal.records import ImageRows, ImageSpan
 from .layout import StateLayout
 
 # Prefill chunks of at least TILE_MIN tokens attend to shared key blocks in query tiles of at most
@@ -43,16 +44,6 @@ class ViewError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ImageSpan:
-    """An image block of a sequence, in absolute positions."""
-
-    start: int  # first token of the block (lead pads included)
-    end: int  # one past IMAGE_END
-    visible_start: int  # IMAGE_START
-    visible_end: int  # IMAGE_END (inclusive)
-
-
-@dataclass(frozen=True)
 class SeqChunk:
     """One sequence's part of a forward: ``len(ids)`` new tokens starting at absolute ``start``."""
 
@@ -63,7 +54,7 @@ class SeqChunk:
     spans: tuple[ImageSpan, ...] = ()  # every image block of the sequence
     # for blocks inside this chunk: (absolute positions of IMAGE slots in stream order, rows [n, D]
     # already in stream order, i.e. aligner rows permuted by the block's perm)
-    image_rows: tuple[tuple[Sequence[int], torch.Tensor], ...] = ()
+    image_rows: tuple[ImageRows, ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)

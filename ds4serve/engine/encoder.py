@@ -11,6 +11,10 @@ pending image and joins the thread, so nothing races the process exit.
 The rows of a live request are *retained* (a few MB per image) until it finishes: with them an image
 request can be dropped under memory pressure and recomputed exactly, never rebuilt from sentinel ids.
 The scheduler accounts for that memory against ``rows_budget``.
+
+The scheduler talks to the worker in four calls: ``submit`` at admission, ``cancel`` at retirement,
+``row_bytes`` for its budget, and one question per step, ``ready(request_id)``: the ``ImageState`` of
+each of the request's images. The handles, their events and the thread stay in here.
 """
 
 from __future__ import annotations
@@ -19,11 +23,28 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..multimodal.records import ImageInput, ImageRows
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImageState:
+    """What the scheduler may know of one submitted image, at the moment it asks."""
+
+    ready: bool  # the worker is done with it: ``rows.rows`` or ``error`` is final
+    rows: ImageRows  # its slot positions, and its rows once encoded (None while pending or when lost)
+    error: str | None = None  # why it could not be encoded (its request fails alone)
+
+    @property
+    def retained(self) -> bool:
+        """Its input can be rebuilt exactly: rows in hand, or still to come (never a failed image)."""
+        return self.error is None and (self.rows.rows is not None or not self.ready)
 
 
 @dataclass
@@ -50,6 +71,10 @@ class EncodedImage:
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size() if self.rows is not None else 0
 
+    def state(self) -> ImageState:
+        ready = self.ready.is_set()
+        return ImageState(ready, ImageRows(self.positions, self.rows if ready else None), self.error)
+
 
 class EncoderWorker:
     def __init__(self, encoder, engine_device: torch.device, dtype: torch.dtype, hidden_size: int):
@@ -72,8 +97,8 @@ class EncoderWorker:
     def row_bytes(self, n_rows: int) -> int:
         return n_rows * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
-    def submit(self, request_id: str, images) -> list[EncodedImage]:
-        """Queue a request's images (``ImageInput`` records) in order; returns their handles."""
+    def submit(self, request_id: str, images: Sequence[ImageInput]) -> list[EncodedImage]:
+        """Queue a request's images in order; returns their handles (the worker's own, for tests)."""
         handles = [EncodedImage(request_id, i, im.patches, im.vit_h, im.vit_w, tuple(im.block.perm),
                                 tuple(im.block.image_positions)) for i, im in enumerate(images)]
         with self._lock:
@@ -84,6 +109,19 @@ class EncoderWorker:
         for h in handles:
             self._jobs.put(h)
         return handles
+
+    def ready(self, request_id: str) -> tuple[ImageState, ...]:
+        """The state of each of a live request's images, in order (empty once it is cancelled)."""
+        with self._lock:
+            handles = self._pending.get(request_id, ())
+        return tuple(h.state() for h in handles)
+
+    def wait(self, request_id: str, timeout: float) -> bool:
+        """Block until every image of the request is ready (warm-up and tests); False on timeout."""
+        with self._lock:
+            handles = list(self._pending.get(request_id, ()))
+        deadline = time.monotonic() + timeout
+        return all(h.ready.wait(max(0.0, deadline - time.monotonic())) for h in handles)
 
     def cancel(self, request_id: str) -> None:
         """The request retired: skip its queued images and forget its rows."""

@@ -62,7 +62,7 @@ class PreparedPrompt:
     @property
     def blocks(self) -> list[tuple[int, int]]:
         """Half-open ``[start, end)`` spans of the image blocks, in prompt order (sorted, disjoint)."""
-        return [img.span for img in self.images]
+        return [(img.span.start, img.span.end) for img in self.images]
 
 
 @dataclass(frozen=True)
@@ -147,13 +147,14 @@ class ImagePipeline:
                         "refused", max_block_tokens, vision_cfg.max_n_token)
 
     @classmethod
-    def for_engine(cls, core: Any, tokenizer: Any) -> ImagePipeline:
-        """Build from a running engine core and its tokenizer (the ids ``render_chat`` emits)."""
+    def for_engine(cls, core: Any, tokenizer: Any, fetch: FetchPolicy | None = None) -> ImagePipeline:
+        """Build from a running engine core and its tokenizer (the ids ``render_chat`` emits);
+        ``fetch`` is the operator's remote-image policy (default: ``data:`` URLs only)."""
         cfg = core.cfg
         image_id = tokenizer.image_id if tokenizer.image_id is not None else cfg.vision.image_token_id
         return cls(cfg.vision, cfg.vocab_size, image_id,
                    limits=getattr(core, "image_limits", ImageLimits()),
-                   fetch=getattr(core, "fetch_policy", FetchPolicy()),
+                   fetch=fetch or getattr(core, "fetch_policy", FetchPolicy()),
                    max_block_tokens=core.settings.max_prefill_tokens)
 
     # --- public entry point -----------------------------------------------------------------

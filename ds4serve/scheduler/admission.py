@@ -2,12 +2,36 @@
 
 The HTTP layer (before a stream opens), the async front (any thread), the scheduler (on ``add``) and
 ``LLM.generate`` all ask the same question; answering it in one place keeps their limits and their
-messages from drifting apart.
+messages from drifting apart. The limits the scheduler admits by, and its two refusals, live
+here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry later (HTTP 503)."""
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit this engine (HTTP 400); the message says by how much."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What the scheduler admits and plans by, resolved once at start-up (the loop's ``limits``)."""
+
+    num_layers: int
+    max_model_len: int
+    step_tokens: int
+    max_prefill_tokens: int
+    min_prefill_tokens: int
+    prefill_mode: str
+    max_queue: int
+    image_rows_budget: int = 0  # bytes of retained image rows (0: images refused)
 
 
 def fit_problem(prompt_tokens: int, max_tokens: int, max_model_len: int, pages_for: Callable[[int], int],

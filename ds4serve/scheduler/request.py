@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ..engine.encoder import ImageState
 from ..engine.sampling import SamplerState, SamplingParams
+from ..multimodal.records import ImageInput, ImageSpan
 
 
 class RequestStatus(str, Enum):
@@ -56,7 +59,7 @@ class Request:
     params: SamplingParams
     eos_ids: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
-    images: Any = None  # list[ImageInput] (DS4V): pixels + block layout at absolute positions
+    images: Sequence[ImageInput] | None = None  # DS4V: pixels + block layout at absolute positions
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -67,7 +70,7 @@ class Request:
     error: str | None = None
     preemptions: int = 0
     first_token_at: float | None = None
-    encoded: list | None = None  # EncodedImage handles from the encoder worker (rows retained while live)
+    images_submitted: bool = False  # its images are with the encoder worker (rows retained while live)
     image_bytes: int = 0  # retained-rows memory accounted to this request
     suspect: int | None = None  # suspect group after a failed step (see isolation.py); None: not suspect
     clear_at: int = 0  # a suspect is cleared once ``computed`` reaches this (past its failed step)
@@ -94,24 +97,17 @@ class Request:
         return tuple(self.prompt_ids[start:]) + tuple(self.output_ids[max(0, start - n_prompt):stop - n_prompt])
 
     @property
-    def spans(self) -> tuple:
-        """Image blocks as ``ImageSpan`` (absolute positions), in order."""
-        if not self.images:
-            return ()
-        from ..cache.view import ImageSpan  # noqa: PLC0415 - a leaf dataclass
+    def spans(self) -> tuple[ImageSpan, ...]:
+        """Image blocks (absolute positions), in order."""
+        return tuple(im.span for im in self.images) if self.images else ()
 
-        return tuple(ImageSpan(im.block.start, im.block.end, im.block.visible_start, im.block.visible_end)
-                     for im in self.images)
-
-    @property
-    def recomputable(self) -> bool:
-        """Its whole input is retained: token ids, and the rows of every image already encoded.
+    def recomputable_from(self, images: Sequence[ImageState]) -> bool:
+        """Its whole input is retained: token ids, and the rows of every image already encoded
+        (``images``: what the encoder says of this request's images now).
 
         Only retained *rows* count (nothing re-encodes retained pixels), and an image still in the
         encoder is fine: a recompute waits for its rows like the first prefill did. A request whose
         rows are gone (or whose image failed) is never rebuilt from its sentinel ids alone."""
         if not self.images:
             return True
-        if self.encoded is None:
-            return False
-        return all(h.error is None and (h.rows is not None or not h.ready.is_set()) for h in self.encoded)
+        return self.images_submitted and all(im.retained for im in images)

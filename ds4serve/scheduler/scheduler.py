@@ -23,44 +23,26 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from ..cache.manager import CacheManager
+from ..engine.encoder import EncoderWorker, ImageState
 from ..multimodal.chunking import next_chunk
 from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
-from .admission import fit_problem
+from .admission import QueueFull, RequestTooLarge, SchedulerLimits, fit_problem
 from .isolation import Quarantine
 from .passes import PassTable
 from .request import Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
 
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; retry later (HTTP 503)."""
-
-
-class RequestTooLarge(ValueError):
-    """The request can never fit this engine (HTTP 400); the message says by how much."""
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    num_layers: int
-    max_model_len: int
-    step_tokens: int
-    max_prefill_tokens: int
-    min_prefill_tokens: int
-    prefill_mode: str
-    max_queue: int
-    image_rows_budget: int = 0  # bytes of retained image rows (0: images refused)
+__all__ = ["QueueFull", "RequestTooLarge", "Scheduler", "SchedulerLimits"]  # refusals live in admission
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder=None):
+    def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder: EncoderWorker | None = None):
         self.limits = limits
         self.cache = cache
-        self.encoder = encoder  # EncoderWorker for DS4V checkpoints, else None
+        self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # hold a slot, in arrival order
@@ -194,7 +176,8 @@ class Scheduler:
             req = self.waiting.popleft()
             req.slot = self.cache.alloc_slot()
             if req.images:
-                req.encoded = self.encoder.submit(req.request_id, req.images)  # admission order
+                self.encoder.submit(req.request_id, req.images)  # admission order
+                req.images_submitted = True
                 self.image_bytes_used += req.image_bytes
             self._enter_running(req)
 
@@ -203,11 +186,19 @@ class Scheduler:
         is optimistic like vLLM's: growth beyond that is handled by preemption."""
         if self.cache.free_slots == 0:
             return False
-        if req.images and req.encoded is None and \
+        if req.images and not req.images_submitted and \
                 self.image_bytes_used + req.image_bytes > self.limits.image_rows_budget:
             return False
         first = min(req.pending, self.limits.max_prefill_tokens) + req.computed
         return self.cache.layout.pages_for(first) + self._watermark() <= self.cache.free_pages
+
+    def _images(self, req: Request) -> tuple[ImageState, ...]:
+        """The one question asked of the encoder: where each of this request's images stands."""
+        return self.encoder.ready(req.request_id) if req.images_submitted else ()
+
+    def recomputable(self, req: Request) -> bool:
+        """Whether dropping ``req`` loses nothing (see ``Request.recomputable_from``)."""
+        return req.recomputable_from(self._images(req))
 
     def _watermark(self) -> int:
         """Pages kept free for the running requests' growth: 1% of the pool, at least one page. With
@@ -252,7 +243,7 @@ class Scheduler:
         if snap is not None:
             victim.snapshot, victim.status = snap, RequestStatus.SUSPENDED
             self.stats["preempt_suspend"] += 1
-        elif victim.recomputable:
+        elif self.recomputable(victim):
             self.cache.drop(victim.slot)
             victim.computed, victim.status = 0, RequestStatus.PARKED
             self.stats["preempt_drop"] += 1
@@ -325,8 +316,7 @@ class Scheduler:
         lo, hi = req.computed, req.computed + n
         images = ()
         if req.images:
-            images = tuple((h.positions, h.rows) for h, sp in zip(req.encoded, req.spans)
-                           if lo <= sp.start and sp.end <= hi)
+            images = tuple(im.rows for im, sp in zip(self._images(req), req.spans) if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
                           sampler=req.sampler, spans=req.spans, images=images)
 
@@ -339,14 +329,14 @@ class Scheduler:
         lo = req.computed
         n = next_chunk(lo, req.total_len, self.limits.max_prefill_tokens, blocks, self.limits.min_prefill_tokens)
         hi = lo + n
-        for h, sp in zip(req.encoded, spans):
+        for im, sp in zip(self._images(req), spans):
             if sp.end <= lo or sp.start >= hi:
                 continue
-            if not h.ready.is_set():
+            if not im.ready:
                 hi = sp.start  # take what precedes the unready block (a block boundary)
                 break
-            if h.error is not None:
-                self._finish(req, RequestStatus.FINISHED_ERROR, error=h.error)
+            if im.error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=im.error)
                 return 0, False
         with_block = any(lo <= sp.start and sp.end <= hi for sp in spans)
         return max(0, hi - lo), with_block
@@ -411,7 +401,7 @@ class Scheduler:
 
     def _recompute_after_failure(self, req: Request, end: int, error: str) -> None:
         req.clear_at = max(req.clear_at, end)
-        if not req.recomputable:
+        if not self.recomputable(req):
             self.quarantine.clear(req)
             self._finish(req, RequestStatus.FINISHED_ERROR,
                          error=f"internal error in a step ({error}); this request cannot be recomputed because its "
@@ -462,10 +452,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None, new=None) -> None:
         """End a request and free everything it holds (slot, pages, snapshot, pass, image rows)."""
-        if req.encoded is not None:
+        if req.images_submitted:
             self.encoder.cancel(req.request_id)
             self.image_bytes_used -= req.image_bytes
-            req.encoded = None
+            req.images_submitted = False
         if req in self.running:
             self.running.remove(req)
             if req.pass_id is not None:

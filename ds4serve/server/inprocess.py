@@ -16,9 +16,11 @@ from pathlib import Path
 import uvicorn
 
 from ..config import EngineSettings
+from ..runtime import EngineLoop
 from .app import create_app
 from .launch import build_state
-from .serving import ServerLimits
+from .limits import ServerLimits
+from .state import ServerState
 
 
 def free_port() -> int:
@@ -28,7 +30,7 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, state, port: int):
+    def __init__(self, state: ServerState, port: int):
         self.state = state
         self.port = port
         self.base = f"http://127.0.0.1:{port}"
@@ -49,13 +51,14 @@ class RunningServer:
         raise RuntimeError("server did not start")
 
     def stop(self) -> None:
-        self.state.engine.begin_shutdown("the server is shutting down")
+        self.state.loop.begin_shutdown("the server is shutting down")
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
     @property
-    def engine(self):
-        return self.state.engine
+    def engine(self) -> EngineLoop:
+        """The engine loop (tests probe it with ``engine.call(fn)``)."""
+        return self.state.loop
 
 
 @contextlib.contextmanager

@@ -14,11 +14,10 @@ import uvicorn
 
 from ..chat import Tokenizer
 from ..config import EngineSettings
-from ..model import load_model, parse_dtype
-from ..scheduler.async_engine import AsyncEngine
-from ..scheduler.core import EngineCore
-from .app import ServerState, create_app
-from .serving import ServerLimits
+from ..runtime import EngineLoop, load_core
+from .app import create_app
+from .limits import ServerLimits
+from .state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +40,17 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 random_weights: bool = False, vision_device: str | None = None,
                 image_hosts: tuple[str, ...] = ()) -> ServerState:
     tokenizer = Tokenizer(model_dir)
-    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device)
-    eos = tuple(dict.fromkeys((tokenizer.eos_id, *cfg.eos_token_ids)))
-    core = EngineCore(cfg, model, settings or EngineSettings(), device, parse_dtype(dtype), eos_ids=eos)
+    core = load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
+                     extra_eos=(tokenizer.eos_id,))
     name = served_name or model_dir.name
-    state = ServerState(engine=AsyncEngine(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
+    state = ServerState(loop=EngineLoop(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
                         api_key=api_key, random_weights=random_weights)
-    if cfg.vision.enabled:
+    if core.cfg.vision.enabled:
         from ..multimodal.fetch import FetchPolicy  # noqa: PLC0415 - only for vision checkpoints
         from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415
 
-        core.fetch_policy = FetchPolicy(allowed_hosts=image_hosts)
-        state.image_pipeline = ImagePipeline.for_engine(core, tokenizer)
-        log.info("images enabled: %d-token cap per image, remote URLs %s", cfg.vision.max_n_token,
+        state.image_pipeline = ImagePipeline.for_engine(core, tokenizer, FetchPolicy(allowed_hosts=image_hosts))
+        log.info("images enabled: %d-token cap per image, remote URLs %s", core.cfg.vision.max_n_token,
                  f"from {', '.join(image_hosts)}" if image_hosts else "disabled (data: URLs only)")
     if random_weights:
         log.warning("serving %s with RANDOM placeholder weights (answers are noise): for tests and load runs; "
@@ -69,7 +66,7 @@ class _Server(uvicorn.Server):
         self.ds4 = state
 
     def handle_exit(self, sig, frame) -> None:
-        self.ds4.engine.begin_shutdown("the server is shutting down")
+        self.ds4.loop.begin_shutdown("the server is shutting down")
         super().handle_exit(sig, frame)
 
 

@@ -1,10 +1,13 @@
-"""AsyncEngine: the engine loop in its own thread, an asyncio API in front of it.
+"""EngineLoop: the engine loop in its own thread, an asyncio API in front of it.
 
 One thread (the engine loop) owns the model state and the scheduler. Other threads and the event
-loop only put commands on a queue (add, abort) and receive ``RequestOutput``s through per-request
-asyncio queues (``call_soon_threadsafe``). A caller that stops iterating (client disconnect,
-cancellation, timeout) aborts its request; the abort is applied before the next step, so its slot
-and pages are free when that step is planned.
+loop only put small typed messages on a queue (``Add``, ``Abort``, ``Call``, ``Shutdown``) and
+receive ``RequestOutput``s through per-request asyncio queues (``call_soon_threadsafe``). A caller
+that stops iterating (client disconnect, cancellation, timeout) aborts its request; the abort is
+applied before the next step, so its slot and pages are free when that step is planned.
+
+The server talks to this object only: ``limits`` and ``eos_ids`` to validate, ``submit`` to run,
+``abort`` to cancel, ``alive`` for health. It never reaches the core behind it.
 """
 
 from __future__ import annotations
@@ -14,16 +17,51 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 from ..engine.sampling import SamplingParams
-from .admission import fit_problem
+from ..multimodal.records import ImageInput
+from ..scheduler.request import Request, RequestOutput
+from ..scheduler.scheduler import QueueFull, RequestTooLarge, SchedulerLimits
 from .core import EngineCore, FatalStepError
-from .request import RequestOutput
-from .scheduler import QueueFull, RequestTooLarge
 
 log = logging.getLogger(__name__)
+
+
+# ---- messages to the loop thread -------------------------------------------------------------
+@dataclass(frozen=True)
+class Add:
+    """Admit ``request``; ``ack`` resolves (on the caller's event loop) when it is queued or refused."""
+
+    request: Request
+    ack: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel a request (the client left); its slot and pages are free before the next step."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run ``job(core)`` between steps (probes, tests); ``job`` reports back itself."""
+
+    job: Callable[[EngineCore], None]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Answer every outstanding request with ``reason`` as an error, then stop the thread."""
+
+    reason: str
+
+
+Message = Union[Add, Abort, Call, Shutdown]
+StepHook = Callable[[EngineCore, list[RequestOutput], float], None]
 
 
 @dataclass
@@ -33,10 +71,10 @@ class _Waiter:
     submitted: float = field(default_factory=time.monotonic)
 
 
-class AsyncEngine:
+class EngineLoop:
     def __init__(self, core: EngineCore):
-        self.core = core
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self.core = core  # the loop thread's; other threads use the API below
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()
@@ -44,11 +82,25 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # submitted, not yet finished (for queue-bound checks off the loop thread)
         self.fatal: str | None = None
-        self.on_step = None  # optional callback(core, outputs, elapsed) from the loop thread (metrics)
-        self.on_change = None  # optional callback(core) after commands changed state (abort, add)
+        self.on_step: StepHook | None = None  # callback(core, outputs, elapsed) from the loop thread (metrics)
+        self.on_change: Callable[[EngineCore], None] | None = None  # after messages changed state (add, abort)
+
+    # ---- what the server may know ----------------------------------------------------------
+    @property
+    def limits(self) -> SchedulerLimits:
+        """The resolved limits requests are admitted by (``max_model_len``, ``max_queue``, ...)."""
+        return self.core.limits
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.core.eos_ids
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal is None
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "AsyncEngine":
+    def start(self) -> EngineLoop:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ds4serve-engine-loop", daemon=True)
             self._thread.start()
@@ -56,8 +108,7 @@ class AsyncEngine:
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Non-blocking: answer every outstanding request with an error and stop after that."""
-        self._cmds.put(("shutdown", reason))
-        self._wake.set()
+        self._send(Shutdown(reason))
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
         """Finish every outstanding request with an error, then stop the loop thread."""
@@ -67,25 +118,19 @@ class AsyncEngine:
         self._thread = None
         self.core.close()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.fatal is None
-
     # ---- API -----------------------------------------------------------------------------------
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise ``RequestTooLarge`` / ``QueueFull`` before a stream opens (any thread)."""
-        limits = self.core.limits
-        problem = fit_problem(prompt_tokens, max_tokens, limits.max_model_len, self.core.cache.layout.pages_for,
-                              self.core.cache.state.n_pages)
+        problem = self.core.fit_problem(prompt_tokens, max_tokens)
         if problem:
             raise RequestTooLarge(problem)
-        if self._in_flight >= limits.max_queue + self.core.resolved.max_seqs:
+        if self._in_flight >= self.limits.max_queue + self.core.resolved.max_seqs:
             raise QueueFull(f"the server is at capacity ({self._in_flight} requests in flight)")
         if not self.alive:
             raise FatalStepError(self.fatal or "the engine is not running")
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     images=None) -> "RequestStream":
+                     images: Sequence[ImageInput] | None = None) -> RequestStream:
         """Hand a request to the engine loop and wait until it is accepted (or refused).
 
         Raises ``RequestTooLarge`` / ``QueueFull`` / ``FatalStepError`` *before* any output, so an
@@ -101,8 +146,7 @@ class AsyncEngine:
             self._waiters[request_id] = waiter
             self._in_flight += 1
         ack: asyncio.Future = loop.create_future()
-        self._cmds.put(("add", (req, ack)))
-        self._wake.set()
+        self._send(Add(req, ack))
         try:
             await ack
         except BaseException:
@@ -111,7 +155,7 @@ class AsyncEngine:
         return RequestStream(self, request_id, waiter)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       images=None) -> AsyncIterator[RequestOutput]:
+                       images: Sequence[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
         """Submit and iterate over the outputs; leaving the loop early aborts the request."""
         stream = await self.submit(prompt_ids, params, request_id, images)
         try:
@@ -120,21 +164,15 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            if self._waiters.pop(request_id, None) is not None:
-                self._in_flight -= 1
-
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-        self._wake.set()
+        self._send(Abort(request_id))
 
-    def call(self, fn, timeout: float = 30.0):
+    def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         """Run ``fn(core)`` on the loop thread between steps and return its result (probes, tests)."""
         done = threading.Event()
         box: dict = {}
 
-        def job(core):
+        def job(core: EngineCore) -> None:
             try:
                 box["value"] = fn(core)
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
@@ -142,13 +180,21 @@ class AsyncEngine:
             finally:
                 done.set()
 
-        self._cmds.put(("call", job))
-        self._wake.set()
+        self._send(Call(job))
         if not done.wait(timeout):
             raise TimeoutError("the engine loop did not answer")
         if "error" in box:
             raise box["error"]
         return box["value"]
+
+    def _send(self, msg: Message) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            if self._waiters.pop(request_id, None) is not None:
+                self._in_flight -= 1
 
     # ---- the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -166,8 +212,7 @@ class AsyncEngine:
                 outs = core.step()
             except FatalStepError as exc:
                 self.fatal = str(exc)
-                outs = core.scheduler.take_outputs()
-                self._publish(outs)
+                self._publish(core.scheduler.take_outputs())
                 self._fail_all(f"engine stopped: {exc}")
                 break
             except Exception as exc:  # a scheduler bug: fail the work in hand, keep the process alive
@@ -183,29 +228,31 @@ class AsyncEngine:
         changed = False
         while True:
             try:
-                cmd, arg = self._cmds.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 if changed and self.on_change is not None:
                     self.on_change(self.core)
                 return
             changed = True
-            if cmd == "add":
-                req, ack = arg
-                try:
-                    self.core.add(req)
-                except (QueueFull, RequestTooLarge, ValueError, FatalStepError) as exc:
-                    _resolve(ack, exc)
-                else:
-                    _resolve(ack, None)
-            elif cmd == "abort":
-                self.core.abort(arg)
-                self._publish(self.core.scheduler.take_outputs())
-            elif cmd == "call":
-                arg(self.core)
-            elif cmd == "shutdown":
-                self._fail_all(arg)
+            if isinstance(msg, Shutdown):
+                self._fail_all(msg.reason)
                 self._stop.set()
                 return
+            self._handle(msg)
+
+    def _handle(self, msg: Add | Abort | Call) -> None:
+        if isinstance(msg, Add):
+            try:
+                self.core.add(msg.request)
+            except (QueueFull, RequestTooLarge, ValueError, FatalStepError) as exc:
+                _resolve(msg.ack, exc)
+            else:
+                _resolve(msg.ack, None)
+        elif isinstance(msg, Abort):
+            self.core.abort(msg.request_id)
+            self._publish(self.core.scheduler.take_outputs())
+        else:
+            msg.job(self.core)
 
     def _fail_all(self, reason: str) -> None:
         for rid in list(self.core.scheduler.requests):
@@ -229,12 +276,12 @@ class AsyncEngine:
 class RequestStream:
     """Outputs of one accepted request. Closing it (or dropping it) before the end aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, waiter: _Waiter):
+    def __init__(self, engine: EngineLoop, request_id: str, waiter: _Waiter):
         self.engine, self.request_id, self._waiter = engine, request_id, waiter
         self.finished = False
         self._closed = False
 
-    def __aiter__(self):
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -257,12 +304,12 @@ class RequestStream:
             self.engine.abort(self.request_id)
             self.engine._forget(self.request_id)
 
-    def __del__(self):  # never consumed (e.g. the client vanished before the stream started)
+    def __del__(self) -> None:  # never consumed (e.g. the client vanished before the stream started)
         self._close()
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
-    def set_result():
+    def set_result() -> None:
         if fut.done():
             return
         if exc is None:

@@ -1,0 +1,218 @@
+"""EngineCore: assembly, and one step of scheduler + engine + cache, on one thread.
+
+Assembly is the only place that knows every part: it resolves the settings against the model and
+the device (``sizing``), allocates all fixed memory, builds the cache, the engine, the encoder
+worker and the scheduler, logs what went where, and runs the warm-up (``warmup``).
+
+``step()`` is one iteration: schedule a plan, check it, execute it, check the result against the
+plan, fold it back. Used synchronously by ``LLM.generate`` and from the engine-loop thread by
+``EngineLoop``: the same code either way. Only that one thread touches a core after start-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..cache import StateLayout
+from ..cache.manager import CacheManager
+from ..config import ConfigError, EngineSettings, ModelConfig
+from ..engine.decode_graphs import MODES as DECODE_GRAPH_MODES
+from ..engine.encoder import EncoderWorker
+from ..engine.executor import Engine
+from ..engine.plan import member_problems, validate_plan, validate_step_result
+from ..engine.sampling import SamplingParams
+from ..model import DS4ForCausalLM, load_model, parse_dtype
+from ..multimodal.layout import TokenType
+from ..multimodal.records import ImageInput
+from ..scheduler.admission import fit_problem
+from ..scheduler.request import Request, RequestOutput
+from ..scheduler.scheduler import Scheduler, SchedulerLimits
+from .sizing import Resolved, resolve
+from .warmup import warm_up
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[ModelConfig, "DS4ForCausalLM | None", CacheManager], Engine]
+
+
+def check_decode_graphs(mode: str) -> None:
+    """``EngineSettings.decode_graphs`` against the engine's own list (config.py is a leaf, so the
+    one list, ``engine.decode_graphs.MODES``, is checked here, before anything is allocated)."""
+    if mode not in DECODE_GRAPH_MODES:
+        raise ConfigError(f"decode_graphs must be one of {', '.join(DECODE_GRAPH_MODES)}, got {mode!r}")
+
+
+class FatalStepError(RuntimeError):
+    """The engine broke the step contract; the core refuses further work (state may be corrupt)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did and how long it took (for metrics and benchmarks)."""
+
+    step_id: int
+    decode_rows: int
+    prefill_rows: int  # rows of pass slices (each counted once per slice)
+    layers_run: int  # row-layers executed
+    elapsed_s: float
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None):
+        """``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes)."""
+        self.cfg = cfg
+        self.settings = s = settings or EngineSettings()
+        self.device = torch.device(device)
+        layout = StateLayout.build(cfg, dtype, s.page_tokens)
+        self.resolved = r = resolve(cfg, s, layout, self.device)
+        self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows)
+        self.engine = self._engine(model, engine_factory)
+        self.limits = SchedulerLimits(
+            num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=s.step_tokens,
+            max_prefill_tokens=s.max_prefill_tokens, min_prefill_tokens=s.min_prefill_tokens,
+            prefill_mode=s.prefill_mode, max_queue=s.max_queue,
+            image_rows_budget=r.image_rows_budget if cfg.vision.enabled else 0)
+        encoder = getattr(model, "vision_encoder", None) if model is not None else None
+        self.encoder = EncoderWorker(encoder, self.device, dtype, cfg.hidden_size) if encoder is not None else None
+        self.scheduler = Scheduler(self.limits, self.cache, self.encoder)
+        self.eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.image_slot_id = cfg.vocab_size + int(TokenType.IMAGE) if cfg.vision.enabled else None
+        self.broken: str | None = None
+        self._ids = itertools.count(1)
+        self.history: deque[StepRecord] = deque(maxlen=4096)
+        self._log_sizes(layout)
+        if s.warmup:
+            self.warmup()
+
+    def _engine(self, model: DS4ForCausalLM | None, factory: EngineFactory | None) -> Engine:
+        mode = self.settings.decode_graphs
+        check_decode_graphs(mode)
+        if factory is not None:
+            return factory(self.cfg, model, self.cache)
+        if mode == "cuda" and self.device.type != "cuda":
+            raise ConfigError("decode_graphs='cuda' needs a CUDA device")
+        return Engine(self.cfg, model, self.cache, decode_graphs=mode)
+
+    def _log_sizes(self, layout: StateLayout) -> None:
+        r, s = self.resolved, self.settings
+        log.info("engine: %s; %d slots, %d pages (%d tokens of compressed state), max_model_len %d, step budget "
+                 "%d tokens x %d layers, prefill chunk <= %d, mode %s, decode graphs %s",
+                 layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
+                 s.step_tokens, self.cfg.num_layers, s.max_prefill_tokens, s.prefill_mode,
+                 getattr(getattr(self.engine, "decode", None), "mode", "n/a"))
+        full = min(r.max_seqs, r.n_pages // max(1, layout.pages_for(r.max_model_len)))
+        log.info("capacity: %d sequences of the full max_model_len (%d tokens) fit at once (%d slots, %d pages); "
+                 "pass staging holds chunks of up to %d rows", full, r.max_model_len, r.max_seqs, r.n_pages,
+                 r.staging_rows)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                     images: Sequence[ImageInput] | None = None) -> Request:
+        return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids),
+                       params=params, eos_ids=self.eos_ids, images=images)
+
+    def fit_problem(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never run here (None: it can); any thread may ask."""
+        return fit_problem(prompt_tokens, max_tokens, self.limits.max_model_len, self.cache.layout.pages_for,
+                           self.cache.state.n_pages)
+
+    def add(self, req: Request) -> None:
+        if self.broken:
+            raise FatalStepError(self.broken)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str, reason: str | None = None) -> bool:
+        """Cancel a request now: its slot, pages and snapshot are free on return; a pass left without
+        members is retired by the next plan (``has_work`` stays true until then)."""
+        return self.scheduler.abort(request_id, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.broken:
+            raise FatalStepError(self.broken)
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return self.scheduler.take_outputs()
+        problem = validate_plan(plan, self.cfg.num_layers)
+        if problem:
+            self._break(f"scheduler produced an invalid plan: {problem}")
+        refused = member_problems(plan, self.cache.staging_rows, self.image_slot_id)
+        if refused:  # confined to those members: they fail alone, the rest is planned again
+            return self.scheduler.refuse(plan, refused)
+        result = self.engine.step(plan)
+        problem = validate_step_result(plan, result, self.cfg.num_layers)
+        if problem:
+            self._break(f"step {plan.step_id}: result does not match its plan: {problem}")
+        self.history.append(StepRecord(plan.step_id, len(plan.decodes), sum(p.rows for p in plan.passes),
+                                       plan.row_layers(self.cfg.num_layers), result.elapsed_s))
+        return self.scheduler.apply(plan, result)
+
+    def _break(self, why: str) -> None:
+        log.critical("fatal step error: %s", why)
+        self.broken = why
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid, reason=f"engine stopped after a fatal step error: {why}")
+        raise FatalStepError(why)
+
+    def run_until_idle(self, max_steps: int = 10**9) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for _ in range(max_steps):
+            if not self.has_work:
+                break
+            outs.extend(self.step())
+        outs.extend(self.scheduler.take_outputs())
+        return outs
+
+    def warmup(self) -> None:
+        """Drive every path once at start-up (see ``warmup.warm_up``)."""
+        warm_up(self)
+
+    def close(self) -> None:
+        """Stop the encoder worker (the engine loop owns everything else)."""
+        if self.encoder is not None:
+            self.encoder.shutdown()
+
+    def leaks(self) -> str:
+        """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""
+        sched = self.scheduler
+        problems = [self.cache.leaks(sched.live_slots())]
+        live_passes = {r.pass_id for r in sched.running if r.pass_id is not None}
+        stray = self.engine.active_passes - live_passes - sched.retiring
+        if stray:
+            problems.append(f"engine passes without requests: {sorted(stray)}")
+        if self.encoder is not None:
+            holders = [r for r in sched.requests.values() if r.images_submitted]
+            stray = self.encoder.live_requests() - {r.request_id for r in holders}
+            if stray:
+                problems.append(f"encoder work for retired requests: {sorted(stray)}")
+            held = sum(r.image_bytes for r in holders)
+            if held != sched.image_bytes_used:
+                problems.append(f"image rows accounted {sched.image_bytes_used} B, held {held} B")
+        live_snaps = sum(r.snapshot.nbytes for r in sched.parked if r.snapshot is not None)
+        if self.cache.host_used != live_snaps:
+            problems.append(f"host budget in use {self.cache.host_used} B, snapshots hold {live_snaps} B")
+        return "; ".join(p for p in problems if p)
+
+
+def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
+              vision_device: str | None = None, extra_eos: Sequence[int] = ()) -> EngineCore:
+    """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model)."""
+    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device)
+    eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
+    return EngineCore(cfg, model, settings or EngineSettings(), device, parse_dtype(dtype), eos_ids=eos)
+
+
+__all__ = ["EngineCore", "FatalStepError", "check_decode_graphs", "Resolved", "StepRecord", "load_core"]

@@ -1,0 +1,167 @@
+"""From a validated request body to a ``Job``: checks, rendering, images, sampling parameters.
+
+Rendering, tokenizing and image decoding run in the worker pool (``state.run_blocking``), never on
+the event loop; by the end the prompt length is known exactly and every refusal a client can fix
+has been a 4xx. A job then goes to ``serving.respond``; nothing here runs the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ..chat import ChatFormatError, render_chat, render_completion
+from ..multimodal.records import ImageInput
+from ..runtime import RequestStream, SamplingError, SamplingParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_extra_fields
+from .state import ServerState
+
+if TYPE_CHECKING:
+    from .access_log import RequestRecord
+
+
+@dataclass
+class Job:
+    """A validated request ready to run: one prompt per entry of ``prompts``, ``n`` choices each."""
+
+    kind: Literal["chat", "completion"]
+    request_id: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per choice (index = prompt_index * n + i)
+    n: int
+    stops: list[str]
+    skip_special: bool
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+    arrival: float
+    images: list[ImageInput] | None = None  # DS4V: one record per image block of the (single) prompt
+    streams: list[RequestStream] = field(default_factory=list)  # accepted engine requests, one per choice
+    record: RequestRecord | None = None  # the request's access-log record (None outside HTTP)
+    cancelled: str | None = None  # why the server stopped it early, once it has
+    finished_choices: int = 0  # choices whose finish reason the consumer has seen
+
+    @property
+    def log_id(self) -> str:
+        """The id that names this request in log lines: its HTTP request id when it has one."""
+        return self.record.request_id if self.record is not None else self.request_id
+
+
+def new_request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int,
+                    stop_ids: tuple[int, ...]) -> SamplingParams:
+    seed = None if body.seed is None else (body.seed + choice) % 2**63
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+            seed=seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_tokens=min(body.min_tokens, max_tokens),
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs)
+    except SamplingError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def _check_model(state: ServerState, body: SamplingFields) -> None:
+    if body.model != state.model_id:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_id!r}",
+                       type_="invalid_request_error", param="model", code="model_not_found")
+
+
+def _max_tokens(state: ServerState, requested: int | None, prompt_len: int) -> int:
+    limit = state.loop.limits.max_model_len
+    if requested is not None:
+        return requested
+    room = limit - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context limit of {limit} tokens",
+                       param="messages", code="context_length_exceeded")
+    return min(state.limits.default_max_tokens, room)
+
+
+def _stop_ids(state: ServerState, body: SamplingFields) -> tuple[int, ...]:
+    ids = tuple(body.stop_token_ids or ())
+    bad = [i for i in ids if not 0 <= i < state.tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids {bad} are outside the vocabulary", param="stop_token_ids")
+    return ids
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> Job:
+    check_extra_fields(body, "chat.completions")
+    _check_model(state, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    thinking = bool((body.chat_template_kwargs or {}).get("thinking", False))
+    prompt, images = await state.run_blocking(_render_chat, state, messages, thinking)
+    max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    stop_ids = _stop_ids(state, body)
+    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for i in range(body.n)]
+    return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
+               body.stream, _include_usage(body), time.monotonic(), images=images)
+
+
+def _render_chat(state: ServerState, messages: list[dict], thinking: bool) -> tuple[list[int], list[ImageInput] | None]:
+    """Worker thread: the prompt ids, with every image placeholder expanded into its block."""
+    try:
+        rendered = render_chat(state.tokenizer, messages, thinking=thinking)
+    except ChatFormatError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    if not rendered.images:
+        return rendered.ids, None
+    prepared = state.prepare_images(rendered)
+    return prepared.ids, prepared.images or None
+
+
+async def build_completion(state: ServerState, body: CompletionRequest, request_id: str) -> Job:
+    check_extra_fields(body, "completions")
+    _check_model(state, body)
+    if body.echo:
+        raise APIError(400, "echo=true is not supported", param="echo", code="unsupported_parameter")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+    if body.best_of not in (None, 1):
+        raise APIError(400, "best_of other than 1 is not supported", param="best_of", code="unsupported_parameter")
+    prompts = await state.run_blocking(_completion_prompts, state, body.prompt)
+    if len(prompts) * body.n > 64:
+        raise APIError(400, "at most 64 choices (prompts x n) per request", param="prompt")
+    max_tokens = _max_tokens(state, body.max_tokens, max(len(p) for p in prompts))
+    stop_ids = _stop_ids(state, body)
+    logprobs = body.logprobs
+    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for _ in prompts for i in range(body.n)]
+    return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
+               logprobs, body.stream, _include_usage(body), time.monotonic())
+
+
+def _completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
+    tok = state.tokenizer
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for i, p in enumerate(prompt):
+        try:
+            ids = render_completion(tok, p) if isinstance(p, str) else list(p)
+        except ChatFormatError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        if not ids or (isinstance(p, str) and len(ids) == 1 and not p):
+            raise APIError(400, f"prompt[{i}] is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt[{i}] has token ids outside the vocabulary: {bad[:5]}", param="prompt")
+        out.append(ids)
+    return out

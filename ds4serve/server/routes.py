@@ -1,0 +1,55 @@
+"""The HTTP routes, one module-level function each; each reads the typed ``ServerState``.
+
+A generation route does two things, each in one module below it: ``jobs`` validates and renders
+the body into a ``Job`` (worker thread for the slow parts), ``serving.respond`` runs it.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .jobs import build_chat, build_completion, new_request_id
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import respond
+from .state import state_of
+
+
+async def health(request: Request) -> Response | dict:
+    if not state_of(request).loop.alive:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return {"status": "ok"}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(state_of(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def models(request: Request) -> dict:
+    state = state_of(request)
+    card = {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "ds4serve",
+            "max_model_len": state.loop.limits.max_model_len}
+    if state.random_weights:
+        card["ds4serve_note"] = ("random placeholder weights: answers are noise (the trained tiny DS4V is "
+                                 "models/ds4v-tiny)")
+    return {"object": "list", "data": [card]}
+
+
+async def chat(body: ChatCompletionRequest, request: Request) -> Response | dict:
+    state = state_of(request)
+    return await respond(state, await build_chat(state, body, new_request_id("chat")), request)
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response | dict:
+    state = state_of(request)
+    return await respond(state, await build_completion(state, body, new_request_id("completion")), request)
+
+
+def install_routes(app: FastAPI) -> None:
+    routes = [("GET", "/health", health, "liveness: 200 when the engine is running"),
+              ("GET", "/metrics", metrics, "Prometheus metrics"),
+              ("GET", "/v1/models", models, "the served model"),
+              ("POST", "/v1/chat/completions", chat, "chat completions (streaming or not)"),
+              ("POST", "/v1/completions", completions, "text completions (streaming or not)")]
+    for method, path, fn, summary in routes:
+        app.add_api_route(path, fn, methods=[method], summary=summary, response_model=None)

@@ -1,0 +1,67 @@
+"""What the server holds: one typed record that every route and helper reads.
+
+The engine below is reached only through ``loop`` (an ``EngineLoop``: its ``limits``, its
+``eos_ids``, ``submit``, ``abort``, ``alive``). Slow host work (templating, tokenizing, image
+decoding) runs in ``executor`` so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import Request
+
+from ..chat import Tokenizer
+from ..runtime import EngineLoop
+from .limits import ServerLimits
+from .metrics import Metrics
+from .protocol import APIError
+
+if TYPE_CHECKING:
+    from ..chat.template import RenderedPrompt
+    from ..multimodal.pipeline import ImagePipeline, PreparedPrompt
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    tokenizer: Tokenizer
+    model_id: str
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    api_key: str | None = None
+    random_weights: bool = False
+    metrics: Metrics = field(default=None)  # type: ignore[assignment]  # built for model_id when not given
+    image_pipeline: ImagePipeline | None = None  # multimodal preprocessing (DS4V); None for text-only models
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "ds4serve-prep"))
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.model_id)
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def prepare_images(self, rendered: RenderedPrompt) -> PreparedPrompt:
+        """Decode, resize and expand the request's images (worker thread)."""
+        from ..multimodal.images import ImageError  # noqa: PLC0415 - the leaf package imports PIL
+
+        if self.image_pipeline is None:
+            raise APIError(400, f"model {self.model_id!r} does not accept images; send text only",
+                           param="messages", code="images_not_supported")
+        try:
+            return self.image_pipeline.prepare(rendered)
+        except ImageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_image") from exc
+
+
+def state_of(request: Request) -> ServerState:
+    """The server state of the app serving ``request``."""
+    return request.app.state.ds4
