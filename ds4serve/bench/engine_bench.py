@@ -64,8 +64,13 @@ class Row:
 
 def make_checkpoint(root: Path, **overrides) -> Path:
     """Appendix A (with ``overrides``) and random weights, written by transformers (the same init the
-    spec measured)."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    spec measured). Without transformers (a bare GPU machine), the same shapes with ds4serve's own
+    seeded random init (``--no-transformers`` runs only: the figures are then ds4serve's alone)."""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError:
+        log.warning("transformers is not importable: random Appendix A weights made by ds4serve instead")
+        return make_checkpoint_without_transformers(root)
 
     torch.manual_seed(0)
     model = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(dict(APPENDIX_A, **overrides)))
@@ -78,6 +83,23 @@ def make_checkpoint(root: Path, **overrides) -> Path:
             if name.endswith(("sinks", "position_bias")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     model.save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def make_checkpoint_without_transformers(root: Path) -> Path:
+    """Appendix A's shapes (6 layers: sliding x2, CSA 4, HCA 16, CSA 4, HCA 16; hash MoE in layer 0)
+    in the official naming, seeded random weights from ``ds4serve.tiny.random_model``; no tokenizer
+    (the bench sends token ids)."""
+    from safetensors.torch import save_file
+
+    from ..config import ModelConfig
+    from ..tiny.random_model import random_config, random_weights
+
+    config = random_config(APPENDIX_A["vocab_size"], vision=False)
+    config["max_position_embeddings"] = APPENDIX_A["max_position_embeddings"]
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(random_weights(ModelConfig.from_dict(config)), str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config, indent=1))
     return root
 
 

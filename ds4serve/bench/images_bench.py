@@ -200,8 +200,9 @@ def _concurrency(core, prompts, new_tokens: int) -> tuple[float, float]:
 
 
 def run(model: Path | None = None, step_tokens: int = 24, new_tokens: int = 12, threads: int | None = None,
-        rounds: int = 5, text_tokens: int = 48) -> dict:
-    """Build the sliced and whole engines, run the interleaved rounds, print and return the figures."""
+        rounds: int = 5, text_tokens: int = 48, device: str = "cpu") -> dict:
+    """Build the sliced and whole engines (on ``device``), run the interleaved rounds, print and
+    return the figures."""
     from ..chat import Tokenizer
     from ..llm import LLM
     from ..multimodal.pipeline import ImagePipeline
@@ -211,8 +212,8 @@ def run(model: Path | None = None, step_tokens: int = 24, new_tokens: int = 12, 
         torch.set_num_threads(threads)
     path = Path(model) if model else default_model()[0]
     max_seqs, max_prefill = 8, 512
-    sliced = LLM(path, max_seqs=max_seqs, step_tokens=step_tokens, max_prefill_tokens=max_prefill).core
-    whole = LLM(path, max_seqs=max_seqs, step_tokens=whole_step_tokens(max_prefill, max_seqs),
+    sliced = LLM(path, device=device, max_seqs=max_seqs, step_tokens=step_tokens, max_prefill_tokens=max_prefill).core
+    whole = LLM(path, device=device, max_seqs=max_seqs, step_tokens=whole_step_tokens(max_prefill, max_seqs),
                 max_prefill_tokens=max_prefill).core
     tok = Tokenizer(path)
     pipeline = ImagePipeline.for_engine(sliced, tok)
@@ -227,7 +228,7 @@ def run(model: Path | None = None, step_tokens: int = 24, new_tokens: int = 12, 
     result = summarise(runs) | {
         "four_concurrent_s": together, "four_sequential_s": sequential, "concurrency_speedup": sequential / together,
         "leaks": "; ".join(x for x in (sliced.leaks(), whole.leaks()) if x) or "none", "rounds": rounds,
-        "threads": torch.get_num_threads(), "step_tokens": step_tokens, "model": path.name,
+        "threads": torch.get_num_threads(), "step_tokens": step_tokens, "model": path.name, "device": device,
     }
     print(render(result))
     return result
@@ -266,8 +267,9 @@ def render(r: dict) -> str:
     s, w = r["sliced"], r["whole"]
     ttft = ", ".join(f"{t:.0f}" for t in s["image_ttft_ms"])
     ttft_whole = ", ".join(f"{t:.0f}" for t in w["image_ttft_ms"])
+    where = f"{r['threads']} threads" if r.get("device", "cpu") == "cpu" else r["device"]
     return "\n".join([
-        f"mixed image traffic on {r['model']} ({r['threads']} threads, step budget {r['step_tokens']} tokens; "
+        f"mixed image traffic on {r['model']} ({where}, step budget {r['step_tokens']} tokens; "
         f"medians over {r['rounds']} interleaved rounds; whole = the same traffic with a budget that never slices)",
         "",
         "| figure | sliced | whole |",
@@ -302,3 +304,30 @@ def _span(figures: dict, key: str) -> str:
 
 def _counts(ns: list[int]) -> str:
     return "/".join(map(str, ns)) or "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ds4serve.bench.images_bench``: the same bench with the options ``ds4serve bench
+    images`` lacks (``--device``, sizes, a JSON copy of the figures; used by scripts/gpu_check.sh)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m ds4serve.bench.images_bench", description=main.__doc__)
+    ap.add_argument("--model", type=Path, default=None, help="a DS4V checkpoint (default: the bundled model)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (fp32)")
+    ap.add_argument("--step-tokens", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=12, help="tokens per image answer")
+    ap.add_argument("--text-tokens", type=int, default=48, help="tokens per text stream")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    a = ap.parse_args(argv)
+    r = run(a.model, step_tokens=a.step_tokens, new_tokens=a.new_tokens, threads=a.threads, rounds=a.rounds,
+            text_tokens=a.text_tokens, device=a.device)
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
