@@ -59,6 +59,25 @@ class Tokenizer:
             self._local.tok = tok
         return tok
 
+    def _markup_tok(self) -> _HFTokenizer:
+        tok = getattr(self._local, "markup", None)
+        if tok is None:
+            tok = _HFTokenizer.from_str(self._json)  # special-token strings are matched (trusted text)
+            self._local.markup = tok
+        return tok
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Ids of trusted prompt text (our own template): special-token strings in it become their
+        tokens, exactly as the reference tokenizes a rendered prompt. Never for client text."""
+        if not text:
+            return []
+        return self._markup_tok().encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def added_texts(self) -> tuple[str, ...]:
+        """Contents of every added token: client text holding one of them must not be matched."""
+        return tuple(t.content for t in self._tok().get_added_tokens_decoder().values())
+
     def encode_text(self, text: str) -> list[int]:
         """Ids of untrusted text; special-token strings in it stay plain text."""
         if not text:
