@@ -62,14 +62,16 @@ class CacheManager:
     def __init__(self, layout: StateLayout, n_slots: int, n_pages: int, device: torch.device | str,
                  host_budget_bytes: int, staging_rows: int):
         self.layout = layout
-        self.state = ModelState(layout, n_slots, n_pages, device)
+        self.state = ModelState(layout, n_slots, n_pages, device, zero_on_handout=True)
         self.host_budget = int(host_budget_bytes)
         self.host_used = 0
         self._free_slots = list(range(n_slots - 1, -1, -1))
         self._gen = [0] * n_slots  # bumped on every free: older handles become stale
         cfg = layout.cfg
         self.staging_rows = staging_rows
-        self.staging = torch.zeros(n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size, dtype=layout.dtype,
+        # uninitialised on purpose: a pass writes its rows before it reads them (executor), so only
+        # the rows passes really use become resident (text-only traffic in chunk mode touches none)
+        self.staging = torch.empty(n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size, dtype=layout.dtype,
                                    device=self.state.device)
         log.info("allocated pass staging: %d slots x %d rows x [%d, %d] = %.1f MiB; host suspend budget %.1f MiB",
                  n_slots, staging_rows, cfg.hc_mult, cfg.hidden_size,
@@ -122,9 +124,11 @@ class CacheManager:
         if self.pages_short(growth):
             return False
         for slot, n in growth.items():
+            had = self.state.pages.owned(slot)
             ok = self.state.pages.reserve(slot, self.layout.pages_for(n))
             if not ok:  # cannot happen after the check above; never leave a half-done reservation
                 raise RuntimeError(f"page reservation for slot {slot} failed after a successful check")
+            self.state.zero_fresh(self.state.pages.table(slot)[had:])
         return True
 
     def block_table(self, slot: int) -> list[int]:
@@ -161,6 +165,7 @@ class CacheManager:
         if not self.state.pages.reserve(slot, snap.n_pages):
             self._free_slots.append(int(slot))
             return None
+        self.state.zero_fresh(self.state.pages.table(slot))
         rows = self._ring_rows(slot)
         pool_idx = self._pool_rows(slot)
         for li, st in enumerate(self.state.layers):
