@@ -139,3 +139,23 @@ def test_dense_experts_fold_weights_like_the_grouped_path():
             want[t] += w[t, k] * F.linear(act, down[idx[t, k]])
     torch.testing.assert_close(_dense_experts(x, idx, w, gate_up, down, 10.0), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_grouped_experts(x, idx, w, gate_up, down, 10.0), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_tok, inter, d, dense", [
+    (1, 128, 256, False),  # one token routes to 2 of 8 experts: dense would read 4x the weights it uses
+    (8, 128, 256, True),  # Appendix A's experts (3 MiB), a batch whose routes can touch all 8: one GEMM
+    (8, 256, 512, False),  # Flash-shaped experts (12.6 MiB): grouped at every batch size
+    (64, 128, 256, False),  # past the FLOP limit
+])
+def test_experts_run_densely_only_where_that_wins(monkeypatch, n_tok, inter, d, dense):
+    import ds4serve.model.moe as moe
+
+    taken = []
+    monkeypatch.setattr(moe, "_dense_experts", lambda *a: taken.append("dense") or a[0])
+    monkeypatch.setattr(moe, "_grouped_experts", lambda *a: taken.append("grouped") or a[0])
+    g = _gen(4)
+    x = torch.randn(n_tok, d, generator=g)
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n_tok)])
+    with torch.no_grad():
+        moe.run_experts(x, idx, torch.rand(n_tok, 2), torch.zeros(8, 2 * inter, d), torch.zeros(8, d, inter), 10.0)
+    assert taken == ["dense" if dense else "grouped"]
