@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..config import RopeParams
+from .native import rope_native
 
 
 def inverse_frequencies(params: RopeParams, rope_dim: int) -> torch.Tensor:
@@ -60,13 +61,16 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> tor
     broadcast. ``inverse`` rotates by ``-pos`` (used on the attention output, because V == K
     carries the key's rotation).
     """
+    fast = rope_native(x, rot, inverse)  # the same arithmetic in one call, where built (native.py)
+    if fast is not None:
+        return fast
     half = rot.shape[-1]
     rope_dim = 2 * half
     r = rot.reshape((rot.shape[0],) + (1,) * (x.dim() - 2) + (half,))
     if inverse:
         r = r.conj()
     pairs = x[..., -rope_dim:].float().reshape(*x.shape[:-1], half, 2)
-    if pairs.stride(-2) % 2 or pairs.storage_offset() % 2:  # view_as_complex needs aligned pairs
-        pairs = pairs.contiguous()
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):  # view_as_complex: aligned pairs
+        pairs = pairs.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy
     out = torch.view_as_real(torch.view_as_complex(pairs) * r).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-rope_dim], out), dim=-1)

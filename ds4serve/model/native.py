@@ -1,0 +1,158 @@
+"""Small native kernels for the host, built once with the system C compiler and loaded with ctypes.
+
+Why: CPU decode is dispatch-bound. mHC's Sinkhorn projection is ~80 tiny torch ops per sub-block
+(two per iteration, 20 iterations, two sub-blocks per layer): on the Flash-shaped checkpoint that
+is a third of the ~2,200 torch calls of a one-stream decode step. The same arithmetic as one C
+loop costs one call. The kernel is written to compute *exactly* what the torch form computes (the
+normaliser is ``eps + the in-order sum``, which is what ``baddbmm(eps, ones, m)`` adds; no
+reassociation, no contraction), and a test checks the two are bit-equal.
+
+The C source lives here; it is compiled on first use into ``cache_root()/native/<hash>/`` (about
+0.1 s: no torch headers), so a restart, or another process, loads the built library. Where no C
+compiler exists or the build fails, the torch form is used, and that is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ..config import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+/* Sinkhorn on n row-major hc x hc fp32 matrices, in place: one column pass, then iters - 1
+   (row, column) pairs. Each normaliser is eps + the in-order sum of hc entries. */
+void ds4_sinkhorn_f32(float *m, long n, long hc, long iters, float eps) {
+    for (long b = 0; b < n; b++) {
+        float *x = m + b * hc * hc;
+        for (long it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (long i = 0; i < hc; i++) {
+                    float s = 0.0f;
+                    for (long j = 0; j < hc; j++) s += x[i * hc + j];
+                    float d = eps + s;
+                    for (long j = 0; j < hc; j++) x[i * hc + j] = x[i * hc + j] / d;
+                }
+            }
+            for (long j = 0; j < hc; j++) {
+                float s = 0.0f;
+                for (long i = 0; i < hc; i++) s += x[i * hc + j];
+                float d = eps + s;
+                for (long i = 0; i < hc; i++) x[i * hc + j] = x[i * hc + j] / d;
+            }
+        }
+    }
+}
+
+/* Rotary embedding in place on the last 2 * half channels of x [n, h, dim] (contiguous), with
+   rot [n, half, 2] = (cos, sin): the pair (a, b) becomes (a c - b s, a s + b c), which is the
+   arithmetic of torch's complex multiply (s negated for the inverse rotation). */
+void ds4_rope_f32(float *x, const float *rot, long n, long h, long dim, long half, int inverse) {
+    for (long i = 0; i < n; i++) {
+        const float *r = rot + i * half * 2;
+        for (long k = 0; k < h; k++) {
+            float *p = x + (i * h + k) * dim + (dim - 2 * half);
+            for (long j = 0; j < half; j++) {
+                float a = p[2 * j], b = p[2 * j + 1], c = r[2 * j], d = inverse ? -r[2 * j + 1] : r[2 * j + 1];
+                p[2 * j] = a * c - b * d;
+                p[2 * j + 1] = a * d + b * c;
+            }
+        }
+    }
+}
+"""
+# IEEE arithmetic exactly as written: no fast-math, no fused multiply-add contraction
+_FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failure: str | None = None
+enabled = True  # tests switch this off to compare against the torch form
+
+
+def _build(root: Path) -> Path:
+    """Compile the source into ``root/<hash>/kernels.so`` unless it is already there."""
+    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    out = root / digest / "kernels.so"
+    if out.exists():
+        return out
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src, built = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+        src.write_text(_SOURCE)
+        done = subprocess.run([cc, *_FLAGS, "-o", str(built), str(src)], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or ``None`` (torch forms are used) when they cannot be built here."""
+    global _lib, _failure
+    if _lib is not None or _failure is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failure is None:
+            try:
+                lib = ctypes.CDLL(str(_build(cache_root() / "native")))
+                lib.ds4_sinkhorn_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                                 ctypes.c_float]
+                lib.ds4_sinkhorn_f32.restype = None
+                lib.ds4_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
+                lib.ds4_rope_f32.restype = None
+                _lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _failure = f"{type(exc).__name__}: {exc}"
+                log.warning("native host kernels unavailable (%s); using the torch forms (same results, slower "
+                            "CPU decode)", _failure)
+    return _lib
+
+
+def _applies(t: torch.Tensor) -> bool:
+    return enabled and t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad \
+        and not torch.compiler.is_compiling()
+
+
+def sinkhorn_native(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor | None:
+    """Sinkhorn of ``comb [n, hc, hc]`` by the C kernel (a new tensor), or ``None`` when the kernel
+    does not apply: not a host fp32 tensor, gradients wanted, tracing, or no kernels here."""
+    if not _applies(comb):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = comb.clone(memory_format=torch.contiguous_format)
+    n, hc, _ = out.shape
+    lib.ds4_sinkhorn_f32(out.data_ptr(), n, hc, iters, ctypes.c_float(eps))
+    return out
+
+
+def rope_native(x: torch.Tensor, rot: torch.Tensor, inverse: bool) -> torch.Tensor | None:
+    """``apply_rope`` by the C kernel (a new tensor), or ``None`` where it does not apply (see
+    ``sinkhorn_native``; also a rotation table that does not match ``x`` row for row)."""
+    if not _applies(x) or rot.dtype != torch.complex64 or rot.device.type != "cpu" or rot.dim() != 2 \
+            or rot.shape[0] != x.shape[0] or x.dim() < 2 or 2 * rot.shape[1] > x.shape[-1]:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = x.clone(memory_format=torch.contiguous_format)
+    table = torch.view_as_real(rot.resolve_conj()).contiguous()
+    n, dim, half = out.shape[0], out.shape[-1], rot.shape[1]
+    lib.ds4_rope_f32(out.data_ptr(), table.data_ptr(), n, out.numel() // max(1, n * dim), dim, half, int(inverse))
+    return out
