@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .config import EngineSettings
-from .server.limits import ServerLimits
+from .server.limits import THINKING_MODES, ServerLimits
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
 
@@ -26,6 +26,8 @@ _ENGINE_FLAGS = {
     "--kv-budget": ("kv_budget", str, "paged state budget: tokens (64k) or bytes (2GiB)"),
     "--host-budget": ("host_budget", str, "host memory for suspended requests (bytes)"),
     "--step-tokens": ("step_tokens", int, "step budget in tokens"),
+    "--max-stall": ("max_stall", float, "a step carrying prefill takes at most this many times its decoders' "
+                    "pure-decode step (costs measured at start-up; 0: step tokens alone)"),
     "--max-queue": ("max_queue", int, "waiting requests before 503"),
     "--decode-graphs": ("decode_graphs", str, "pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
@@ -34,6 +36,7 @@ _SERVER_FLAGS = {
     "--request-timeout": ("request_timeout_s", float, "seconds per request"),
     "--max-body-bytes": ("max_body_bytes", int, "larger request bodies are refused with 413"),
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens when the request sends none"),
+    "--default-thinking": ("default_thinking", str, "DS4 thinking mode of chat requests that do not choose one"),
 }
 
 
@@ -60,6 +63,8 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
         metavar = flag[2:].upper().replace("-", "_")
         if name == "decode_graphs":  # an explicit metavar keeps argparse from listing the modes at build time
             metavar, text, extra = "MODE", text + "; one of %(choices)s", {"choices": _DecodeGraphModes()}
+        elif name == "default_thinking":
+            metavar, extra = "on|off", {"choices": THINKING_MODES}
         else:
             extra = {}
         p.add_argument(flag, dest=name, type=typ, default=defaults[name], metavar=metavar,

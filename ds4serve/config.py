@@ -463,6 +463,9 @@ class EngineSettings:
     step_tokens: int = 256  # step budget in tokens; in row-layers it is step_tokens x num_layers
     max_prefill_tokens: int = 1024  # largest prefill chunk / pass (rows), also the staging size per slot
     min_prefill_tokens: int = 16  # prefill progress guaranteed per step even when decoders fill the budget
+    # time-calibrated budget: a step that carries prefill takes at most this many times the pure-decode
+    # step of the same decoders (costs measured at start-up, runtime/calibrate.py); 0: step_tokens alone
+    max_stall: float = 2.0
     prefill_mode: str = "chunk"  # text prefill: "chunk" (token chunks with decode) or "layers" (layer slices)
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 503)
     page_tokens: int | None = None  # raw positions per page (multiple of every compress ratio)
@@ -476,6 +479,7 @@ class EngineSettings:
         checks = [
             (self.max_seqs >= 1, "max_seqs must be >= 1"),
             (self.step_tokens >= 1, "step_tokens must be >= 1"),
+            (self.max_stall == 0 or self.max_stall > 1, "max_stall must be 0 (off) or > 1"),
             (self.max_prefill_tokens >= 16, "max_prefill_tokens must be >= 16"),
             (1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
              "min_prefill_tokens must be in [1, max_prefill_tokens]"),

@@ -32,12 +32,15 @@ class LLM:
     Engine settings (``max_seqs``, ``kv_budget``, ``host_budget``, ``step_tokens``,
     ``max_prefill_tokens``, ``prefill_mode``, ``max_model_len``, ...) are keyword arguments; see
     ``ds4serve.config.EngineSettings``. Tiny budgets are allowed, e.g. to force preemption in tests.
+    Offline generation plans by the token budget (``max_stall=0``) unless told otherwise: a batch job
+    has no streams to keep smooth, and its chunk boundaries then never depend on the machine's speed.
     """
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "float32", *, progress: bool = False,
                  eos_ids: Sequence[int] | None = None, **settings):
         self.cfg, self.model = load_model(path, device=device, dtype=dtype, progress=progress)
         self.device = torch.device(device)
+        settings.setdefault("max_stall", 0.0)
         self.core = EngineCore(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),
                                eos_ids=eos_ids)
         self.runner = ModelRunner(self.cfg, self.model, self.core.cache.state)

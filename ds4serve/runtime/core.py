@@ -11,6 +11,8 @@ plan, fold it back. Used synchronously by ``LLM.generate`` and from the engine-l
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import logging
 from collections import deque
@@ -35,6 +37,7 @@ from ..scheduler.admission import fit_problem
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
 from .sizing import Resolved, resolve
+from .calibrate import calibrate
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,9 @@ class EngineCore:
         self._log_sizes(layout)
         if s.warmup:
             self.warmup()
+            if s.max_stall and engine_factory is None:
+                self.limits = dataclasses.replace(self.limits, prefill_tokens_at=calibrate(self, s.max_stall))
+                self.scheduler.limits = self.limits
 
     def _engine(self, model: DS4ForCausalLM | None, factory: EngineFactory | None) -> Engine:
         mode = self.settings.decode_graphs

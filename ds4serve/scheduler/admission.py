@@ -32,6 +32,15 @@ class SchedulerLimits:
     prefill_mode: str
     max_queue: int
     image_rows_budget: int = 0  # bytes of retained image rows (0: images refused)
+    # prefill tokens a step may carry beside n decoders, index n (runtime/calibrate.py); empty: the
+    # token budget, step_tokens - n
+    prefill_tokens_at: tuple[int, ...] = ()
+
+    def prefill_tokens(self, n_decoders: int) -> int:
+        """Prefill tokens a step may carry beside ``n_decoders`` (before the progress floor)."""
+        if 0 < n_decoders < len(self.prefill_tokens_at):
+            return self.prefill_tokens_at[n_decoders]
+        return self.step_tokens - n_decoders
 
 
 def fit_problem(prompt_tokens: int, max_tokens: int, max_model_len: int, pages_for: Callable[[int], int],

@@ -263,7 +263,7 @@ class Scheduler:
     def _plan_prefill(self, n_decoders: int, lane: int | None = None) -> list[PassSlice]:
         L = self.limits.num_layers
         idle = n_decoders == 0
-        budget = max(0, (self.limits.step_tokens - n_decoders) * L)
+        budget = max(0, self.limits.prefill_tokens(n_decoders) * L)
         floor = self.limits.min_prefill_tokens * L  # progress guaranteed even under a full decode budget
         slices = []
         for p in self.passes.in_flight(lane):
