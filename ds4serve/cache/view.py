@@ -72,19 +72,7 @@ def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device,
                max_image_tokens: int = 384) -> BatchView:
-    if not chunks:
-        raise ViewError("a forward needs at least one sequence")
-    slots = [c.slot for c in chunks]
-    if len(set(slots)) != len(slots):
-        raise ViewError(f"a slot appears twice in one forward: {slots}")
-    for c in chunks:
-        if not 0 <= c.slot < n_slots:
-            raise ViewError(f"slot {c.slot} out of range [0, {n_slots})")
-        if len(c) < 1 or c.start < 0:
-            raise ViewError(f"slot {c.slot}: empty chunk or negative start ({c.start})")
-    _check_pages(layout, chunks)
-    _check_spans(chunks)
-
+    _check_chunks(layout, n_slots, chunks)
     g = _Geometry.of(layout, chunks)
     window = layout.cfg.sliding_window
     # a pure-decode forward (one token per sequence) reads the rings after its own writes, which then
@@ -131,6 +119,22 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
         gather_tokens=dev(gather) if tiles and gather.numel() else None,
         rings_after_write=after,
     )
+
+
+def _check_chunks(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk]) -> None:
+    """Raise ``ViewError`` for a forward the state cannot serve (before any index is built)."""
+    if not chunks:
+        raise ViewError("a forward needs at least one sequence")
+    slots = [c.slot for c in chunks]
+    if len(set(slots)) != len(slots):
+        raise ViewError(f"a slot appears twice in one forward: {slots}")
+    for c in chunks:
+        if not 0 <= c.slot < n_slots:
+            raise ViewError(f"slot {c.slot} out of range [0, {n_slots})")
+        if len(c) < 1 or c.start < 0:
+            raise ViewError(f"slot {c.slot}: empty chunk or negative start ({c.start})")
+    _check_pages(layout, chunks)
+    _check_spans(chunks)
 
 
 def _query_tiles(g: "_Geometry", lo: torch.Tensor, hi: torch.Tensor, visible: dict, window: int,

@@ -44,7 +44,7 @@ class PassMember:
     sample: bool  # the pass ends this sequence's pending input: sample its next token at the end
     sampler: Any = field(default=None, compare=False)
     spans: tuple = ()  # every image block of the sequence (ImageSpan), for masks and split checks
-    # blocks inside this chunk: (absolute IMAGE slot positions, rows in stream order) pairs
+    # blocks inside this chunk: multimodal.records.ImageRows (IMAGE slot positions, rows in stream order)
     images: tuple = field(default=(), compare=False)
 
 

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..cache import ModelState, SeqChunk, StateLayout, build_view
-from ..cache.view import ImageSpan
 from ..chat import Tokenizer, render_chat
 from ..config import ModelConfig
 from ..model.decoder import DS4ForCausalLM
@@ -32,6 +31,7 @@ from ..model.loader import expected_tensors
 from ..model.rope import inverse_frequencies
 from ..model.vision import VisionEncoder, expected_vision_tensors
 from ..multimodal.layout import image_block
+from ..multimodal.records import ImageRows, ImageSpan
 from ..multimodal.resize import plan_resize, preprocess
 from .data import COLOURS, SHAPES, SIZE, TASKS, TRAIN_TASKS, Example, draw, examples, messages, random_scene
 from .tokenizer_train import train_tokenizer
@@ -159,8 +159,8 @@ def forward_loss(lm: DS4ForCausalLM, enc: VisionEncoder, cfg: ModelConfig, layou
         image_rows, spans = [], []
         for blk in s.blocks:
             perm = torch.tensor(blk.perm)
-            image_rows.append((blk.image_positions, rows[k].index_select(0, perm)))
-            spans.append(ImageSpan(blk.start, blk.end, blk.visible_start, blk.visible_end))
+            image_rows.append(ImageRows(tuple(blk.image_positions), rows[k].index_select(0, perm)))
+            spans.append(ImageSpan.of(blk))
             k += 1
         chunks.append(SeqChunk(i, 0, s.ids, list(range(i * pages, (i + 1) * pages)), spans=tuple(spans),
                                image_rows=tuple(image_rows)))
