@@ -37,6 +37,7 @@ _SERVER_FLAGS = {
     "--max-body-bytes": ("max_body_bytes", int, "larger request bodies are refused with 413"),
     "--default-max-tokens": ("default_max_tokens", int, "max_tokens when the request sends none"),
     "--default-thinking": ("default_thinking", str, "DS4 thinking mode of chat requests that do not choose one"),
+    "--no-webui": ("webui", bool, "do not serve the chat page at / (a 404 there)"),
 }
 
 
@@ -67,6 +68,10 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
             metavar, extra = "on|off", {"choices": THINKING_MODES}
         else:
             extra = {}
+        if typ is bool:  # a switch: "--no-X" stores False into a field that defaults to True
+            p.add_argument(flag, dest=name, action="store_false" if flag.startswith("--no-") else "store_true",
+                           default=defaults[name], help=text)
+            continue
         p.add_argument(flag, dest=name, type=typ, default=defaults[name], metavar=metavar,
                        help=f"{text} (default: {defaults[name]})", **extra)
 

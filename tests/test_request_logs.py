@@ -149,6 +149,7 @@ def test_an_internal_error_is_a_500_with_its_id_logged_and_counted(srv, access, 
 
     before = _metrics(srv)
     monkeypatch.setattr(srv.state.tokenizer, "encode_text", broken)
+    monkeypatch.setattr(srv.state.tokenizer, "encode_markup", broken)  # the DS4 prompt's trusted text
     r = httpx.post(srv.base + "/v1/chat/completions", json=chat(), timeout=60)
     monkeypatch.undo()
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"

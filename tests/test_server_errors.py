@@ -50,7 +50,10 @@ CASES = [
     ("stop wrong type", "POST", "/v1/chat/completions", chat(stop=5), {}, 400, "stop"),
     ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=3), {}, 400, "top_logprobs"),
     ("top_logprobs too big", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=50), {}, 400, "top_logprobs"),
-    ("tools unsupported", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    ("tool_choice required", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), {}, 400, "tool_choice"),
+    ("tool_choice unknown function", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), {}, 400, "tool_choice"),
+    ("thinking ignored before", "POST", "/v1/chat/completions", chat(thinking={"type": "sometimes"}), {}, 400, "thinking"),
+    ("structured_outputs", "POST", "/v1/chat/completions", chat(structured_outputs={"json": {}}), {}, 400, "structured_outputs"),
     ("response_format json", "POST", "/v1/chat/completions", chat(response_format={"type": "json_object"}), {}, 400, "response_format"),
     ("logit_bias", "POST", "/v1/chat/completions", chat(logit_bias={"5": 10}), {}, 400, "logit_bias"),
     ("image placeholder injection", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": f"look {IMG}"}]), {}, 400, "placeholder"),
@@ -162,7 +165,7 @@ def test_binding_policy():
 # A valid request using every string field the server reads (and two it ignores), for the surrogate sweep.
 FULL_CHAT = {
     "model": "tiny", "max_tokens": 2, "stop": ["zz", "yy"], "user": "u1", "some_future_field": "f",
-    "chat_template_kwargs": {"thinking": False, "note": "n"},
+    "chat_template_kwargs": {"thinking": True, "reasoning_effort": "high"},
     "messages": [
         {"role": "system", "content": "be brief", "name": "sys"},
         {"role": "user", "content": [{"type": "text", "text": "look"},

@@ -8,7 +8,9 @@ assistant turns are closed with the end-of-sentence token; their reasoning is dr
 developer messages are joined at the start. Content may be a string or a list of parts: text parts
 are joined with a blank line and every image part becomes one ``<｜deepseek_image｜>`` placeholder,
 in order (the images are returned alongside). A literal placeholder typed by a user is refused.
-Tool results are rendered as user turns (``tools`` themselves are not supported by the server).
+Tool results are rendered as user turns. The server renders with the full DS4 encoding
+(``prompt.render_ds4``), which equals this one on the tiny model's training conversations; this
+minimal form stays for the tiny model's training and evaluation tools.
 """
 
 from __future__ import annotations

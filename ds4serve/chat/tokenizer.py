@@ -78,6 +78,12 @@ class Tokenizer:
         """Contents of every added token: client text holding one of them must not be matched."""
         return tuple(t.content for t in self._tok().get_added_tokens_decoder().values())
 
+    @cached_property
+    def added_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special: what ``skip_special_tokens`` hides from output text
+        (added tokens that are not special, such as markup pieces, stay text)."""
+        return frozenset(i for i, t in self._tok().get_added_tokens_decoder().items() if t.special)
+
     def encode_text(self, text: str) -> list[int]:
         """Ids of untrusted text; special-token strings in it stay plain text."""
         if not text:

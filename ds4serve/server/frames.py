@@ -10,6 +10,9 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from ..chat import ParsedOutput
+from ..chat import Event as ChatEvent
+from .chat_stream import deltas_of, message_of
 from .jobs import Job
 from .protocol import APIError
 
@@ -25,6 +28,18 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     usage: tuple[int, int] | None = None  # (prompt, completion) when finished
+    deltas: tuple[ChatEvent, ...] = ()  # a chat choice's parsed output events (its ``text`` stays "")
+    completion: int = 0  # the choice's completion tokens so far
+    reasoning_tokens: int = 0  # of those, tokens of reasoning (chat, thinking mode)
+
+
+def usage_of(job: Job, completion: list[int], reasoning: list[int]) -> dict:
+    """The ``usage`` object; chat answers also count their reasoning tokens."""
+    usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(completion)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if job.kind == "chat":
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+    return usage
 
 
 class StreamFrames:
@@ -36,25 +51,37 @@ class StreamFrames:
         self.obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
         self.started: set[int] = set()
         self.completion = [0] * len(job.params)
+        self.reasoning = [0] * len(job.params)
 
     def event(self, ev: Event) -> str | None:
-        """The frame for one event, or None when it carries nothing the client needs."""
+        """The frame(s) for one event, or None when it carries nothing the client needs."""
         if ev.finish_reason == "error":
             return self.error(f"generation failed: {ev.error}", "generation_failed")
-        if ev.usage:
-            self.completion[ev.index] = ev.usage[1]
-        if not ev.text and not ev.finish_reason and ev.index in self.started and not ev.logprobs:
+        self.completion[ev.index] = ev.usage[1] if ev.usage else ev.completion
+        self.reasoning[ev.index] = ev.reasoning_tokens
+        first = ev.index not in self.started
+        if self.job.kind == "chat":
+            chunks = _chat_chunks(self.job, ev, first)
+        else:
+            chunks = [_chunk(self.job, ev)] if ev.text or ev.finish_reason or first or ev.logprobs else []
+        if not chunks:
             return None
-        chunk = _chunk(self.job, ev, ev.index not in self.started)
         self.started.add(ev.index)
-        return _frame({"id": self.job.request_id, "object": self.obj, "created": self.created, "model": self.model_id,
-                       "choices": [chunk], **({"usage": None} if self.job.include_usage else {})})
+        return "".join(_frame(self._envelope([c])) for c in chunks)
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        body = {"id": self.job.request_id, "object": self.obj, "created": self.created, "model": self.model_id,
+                "choices": choices}
+        if self.job.continuous_usage:
+            body["usage"] = usage_of(self.job, self.completion, self.reasoning)
+        elif self.job.include_usage:
+            body["usage"] = None
+        return body
 
     def usage(self) -> str:
-        usage = {"prompt_tokens": sum(len(p) for p in self.job.prompts), "completion_tokens": sum(self.completion)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return _frame({"id": self.job.request_id, "object": self.obj, "created": self.created,
-                       "model": self.model_id, "choices": [], "usage": usage})
+                       "model": self.model_id, "choices": [],
+                       "usage": usage_of(self.job, self.completion, self.reasoning)})
 
     @staticmethod
     def error(message: str, code: str) -> str:
@@ -68,13 +95,18 @@ class Collected:
         n = len(job.params)
         self.job = job
         self.texts = [""] * n
+        self.parsed = [ParsedOutput() for _ in range(n)]
         self.lps: list[list[dict]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.completion = [0] * n
+        self.reasoning = [0] * n
 
     def add(self, ev: Event) -> None:
         self.texts[ev.index] += ev.text
+        for d in ev.deltas:
+            self.parsed[ev.index].add(d)
         self.lps[ev.index] += ev.logprobs
+        self.reasoning[ev.index] = ev.reasoning_tokens
         if ev.finish_reason:
             self.finish[ev.index] = ev.finish_reason
             self.completion[ev.index] = ev.usage[1] if ev.usage else 0
@@ -85,27 +117,31 @@ class Collected:
 
     def body(self, model_id: str) -> dict:
         job = self.job
-        usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(self.completion)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         choices = [self._choice(i) for i in range(len(job.params))]
         obj = "chat.completion" if job.kind == "chat" else "text_completion"
         return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": model_id,
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": usage_of(job, self.completion, self.reasoning)}
 
     def _choice(self, i: int) -> dict:
         job, text, lps, finish = self.job, self.texts[i], self.lps[i], self.finish[i]
         if job.kind == "chat":
-            return {"index": i, "message": {"role": "assistant", "content": text},
+            return {"index": i, "message": message_of(self.parsed[i]),
                     "logprobs": {"content": lps} if job.logprobs is not None else None, "finish_reason": finish}
         return {"index": i, "text": text, "logprobs": _completion_logprobs(lps) if job.logprobs is not None else None,
                 "finish_reason": finish}
 
 
-def _chunk(job: Job, ev: Event, first: bool) -> dict:
-    if job.kind == "chat":
-        delta = {"role": "assistant", "content": ev.text} if first else ({"content": ev.text} if ev.text else {})
-        lp = {"content": ev.logprobs} if job.logprobs is not None else None
-        return {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": ev.finish_reason}
+def _chat_chunks(job: Job, ev: Event, first: bool) -> list[dict]:
+    """One chunk per delta; the step's logprobs ride on the first, its finish reason on the last."""
+    deltas = deltas_of(ev.deltas, first)
+    if not deltas and (ev.finish_reason or ev.logprobs):
+        deltas = [{}]
+    lp = {"content": ev.logprobs} if job.logprobs is not None else None
+    return [{"index": ev.index, "delta": d, "logprobs": lp if k == 0 else None,
+             "finish_reason": ev.finish_reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
+
+
+def _chunk(job: Job, ev: Event) -> dict:
     lp = _completion_logprobs(ev.logprobs) if job.logprobs is not None else None
     return {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 

@@ -12,10 +12,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ..chat import ChatFormatError, render_chat, render_completion
+from ..chat import ChatFormatError, DS4Prompt, render_completion, render_ds4
 from ..multimodal.records import ImageInput
 from ..runtime import RequestStream, SamplingError, SamplingParams
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_extra_fields
+from .chat_request import ChatSetup, chat_setup, check_generation
+from .protocol import (APIError, ChatCompletionRequest, ChatControls, ChatMessage, CompletionRequest, SamplingFields,
+                       check_extra_fields)
 from .state import ServerState
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ class Job:
     include_usage: bool
     arrival: float
     images: list[ImageInput] | None = None  # DS4V: one record per image block of the (single) prompt
+    chat: ChatSetup | None = None  # a chat job: how its output is parsed (reasoning, content, tool calls)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     streams: list[RequestStream] = field(default_factory=list)  # accepted engine requests, one per choice
     record: RequestRecord | None = None  # the request's access-log record (None outside HTTP)
     cancelled: str | None = None  # why the server stopped it early, once it has
@@ -96,28 +100,52 @@ def _include_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+def _continuous_usage(body: SamplingFields) -> bool:
+    """Usage on every chunk of a stream (a non-streaming answer always carries its usage)."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as plain dicts (what the encoder reads), unset fields left out."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def chat_setup_of(state: ServerState, body: ChatControls, messages: list[dict]) -> ChatSetup:
+    """``chat_request.chat_setup`` with this server's default thinking mode."""
+    return chat_setup(body, messages, state.limits.default_thinking == "on")
+
+
 async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> Job:
     check_extra_fields(body, "chat.completions")
     _check_model(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    thinking = bool((body.chat_template_kwargs or {}).get("thinking", False))
-    prompt, images = await state.run_blocking(_render_chat, state, messages, thinking)
+    setup = chat_setup_of(state, body, chat_messages(body.messages))
+    check_generation(setup)
+    continuous = _continuous_usage(body)
+    prompt, images = await state.run_blocking(prompt_ids, state, setup)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     stop_ids = _stop_ids(state, body)
     params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for i in range(body.n)]
     return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
-               body.stream, _include_usage(body), time.monotonic(), images=images)
+               body.stream, _include_usage(body), time.monotonic(), images=images, chat=setup,
+               continuous_usage=continuous)
 
 
-def _render_chat(state: ServerState, messages: list[dict], thinking: bool) -> tuple[list[int], list[ImageInput] | None]:
-    """Worker thread: the prompt ids, with every image placeholder expanded into its block."""
+def render_prompt(state: ServerState, setup: ChatSetup) -> DS4Prompt:
+    """The DS4 encoding of the chat (worker thread). Every model served is templated this way: the
+    bundled tiny model was trained on exactly the DS4 chat-mode prompts (``chat.render_chat``'s
+    single-turn form equals ``render_ds4`` there, tested), so it keeps answering as before."""
     try:
-        rendered = render_chat(state.tokenizer, messages, thinking=thinking)
+        return render_ds4(state.tokenizer, setup.messages, setup.options)
     except ChatFormatError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def prompt_ids(state: ServerState, setup: ChatSetup) -> tuple[list[int], list[ImageInput] | None]:
+    """Worker thread: the prompt ids the engine prefills, every image placeholder expanded into its block."""
+    rendered = render_prompt(state, setup)
     if not rendered.images:
         return rendered.ids, None
     prepared = state.prepare_images(rendered)
@@ -133,7 +161,7 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise APIError(400, "best_of other than 1 is not supported", param="best_of", code="unsupported_parameter")
-    prompts = await state.run_blocking(_completion_prompts, state, body.prompt)
+    prompts = await state.run_blocking(completion_prompts, state, body.prompt)
     if len(prompts) * body.n > 64:
         raise APIError(400, "at most 64 choices (prompts x n) per request", param="prompt")
     max_tokens = _max_tokens(state, body.max_tokens, max(len(p) for p in prompts))
@@ -141,10 +169,10 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
     logprobs = body.logprobs
     params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for _ in prompts for i in range(body.n)]
     return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
-               logprobs, body.stream, _include_usage(body), time.monotonic())
+               logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body))
 
 
-def _completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
+def completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
     tok = state.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]

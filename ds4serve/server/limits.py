@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+THINKING_MODES = ("on", "off")
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -16,3 +18,11 @@ class ServerLimits:
     default_max_tokens: int = 1024  # when the client sends no max_tokens (capped by the context room)
     max_body_bytes: int = 48 * 2**20  # larger bodies are refused with 413 before they are read
     retry_after_s: int = 2  # the Retry-After of a 503 when the queue is full
+    # DS4 thinking mode when a chat request does not say ("on" | "off"); "off" suits the bundled tiny
+    # model, which was trained on chat-mode prompts only
+    default_thinking: str = "off"
+    webui: bool = True  # the chat page at / (serve --no-webui: a 404 there)
+
+    def __post_init__(self) -> None:
+        if self.default_thinking not in THINKING_MODES:
+            raise ValueError(f"default_thinking must be one of {THINKING_MODES}, got {self.default_thinking!r}")

@@ -46,15 +46,18 @@ class _TooLarge(Exception):
     pass
 
 
+GUARDED = frozenset({"/metrics", "/tokenize", "/detokenize", "/apply-template"})
+
+
 class Auth:
-    """The API key guards ``/v1/*`` and ``/metrics`` (``/health`` stays open)."""
+    """The API key guards ``/v1/*``, ``/metrics`` and the tokenizer endpoints (``/health`` stays open)."""
 
     def __init__(self, app: Any, api_key: str | None):
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.api_key and (path.startswith("/v1/") or path == "/metrics"):
+        if scope["type"] == "http" and self.api_key and (path.startswith("/v1/") or path in GUARDED):
             if not _authorized(Request(scope), self.api_key):
                 return await send_error(scope, send, APIError(
                     401, "invalid or missing API key (send 'Authorization: Bearer <key>')",

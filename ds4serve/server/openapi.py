@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from .middleware import GUARDED
+
 _ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -17,6 +19,10 @@ _ERROR_SCHEMA = {
 _ERRORS = {"400": "invalid request (OpenAI error body)", "401": "missing or wrong API key",
            "404": "unknown model", "413": "request body too large", "500": "internal error",
            "503": "at capacity (Retry-After) or shutting down", "504": "request timeout"}
+
+# the errors of the non-generating routes (a generation route also answers 503 / 504)
+_PLAIN_ERRORS = {**dict.fromkeys(("/tokenize", "/detokenize", "/apply-template"), ("400", "404", "413", "500")),
+                 "/v1/models/{model_id}": ("404",)}
 
 _REQUEST_ID = {"description": "the request's id: the client's x-request-id when it is visible ASCII of at most 256 "
                               "characters, else one made by the server; it names the request in the server's logs",
@@ -37,8 +43,10 @@ def custom_openapi(app: FastAPI) -> dict:
         for op in ops.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            if path.startswith("/v1/") or path == "/metrics":
+            if path.startswith("/v1/") or path in GUARDED:
                 responses["401"] = {"description": _ERRORS["401"], "content": err}
+            for code in _PLAIN_ERRORS.get(path, ()):
+                responses[code] = {"description": _ERRORS[code], "content": err}
             if path in ("/v1/chat/completions", "/v1/completions"):
                 for code in ("400", "404", "413", "500", "503", "504"):
                     responses[code] = {"description": _ERRORS[code], "content": err}

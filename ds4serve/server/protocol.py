@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies (pydantic), with the limits the server enforces.
 
 Unknown fields are allowed through pydantic and then sorted by ``check_extra_fields``: fields that
-would change the meaning of the answer (``tools``, ``response_format``...) are a 400 naming the field;
-the rest are logged once and ignored.
+would change the meaning of the answer (``logit_bias``, ``structured_outputs``...) are a 400 naming
+the field; the rest are logged once and ignored. The DS4 chat controls (``ChatControls``: thinking,
+effort, tools, tool_choice, response_format) are declared fields, honoured or refused by
+``chat_request``.
 
 Text must be valid Unicode. JSON can spell a lone UTF-16 surrogate (``"\\ud800"``) that no UTF-8
 text contains; the tokenizer and the response encoder cannot take it, so a request holding one
@@ -41,8 +43,10 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) on every chunk
+    include_obfuscation: bool = True  # OpenAI's padding field; this server never pads, so either is honoured
 
 
 class ImageURL(BaseModel):
@@ -76,11 +80,14 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = Field(default=None, max_length=256)
-    reasoning_content: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    reasoning_content: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)  # DeepSeek, SGLang
+    reasoning: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)  # vLLM's name for the same
     tool_call_id: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    prefix: bool = False  # DeepSeek prefix completion: the last assistant message is continued
 
     @field_validator("content")
     @classmethod
@@ -95,7 +102,24 @@ class ChatMessage(BaseModel):
         return v
 
 
-class SamplingFields(BaseModel):
+class ValidUnicode(BaseModel):
+    """A request body whose every string must be valid Unicode (see the module docstring)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Refuse lone surrogates before any field is parsed (see the module docstring)."""
+        where = find_lone_surrogate(data)
+        if where is not None:
+            param, what, pos = where
+            raise PydanticCustomError(
+                "invalid_unicode", "{what} contains a lone UTF-16 surrogate escape at character {pos}, which is not "
+                "valid Unicode; send real characters (astral ones as a surrogate pair or as raw UTF-8)",
+                {"param": param, "what": what, "pos": pos})
+        return data
+
+
+class SamplingFields(ValidUnicode):
     """Fields shared by chat and completions (standard ones and the common extensions)."""
 
     model_config = ConfigDict(extra="allow")
@@ -118,19 +142,6 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        """Refuse lone surrogates before any field is parsed (see the module docstring)."""
-        where = find_lone_surrogate(data)
-        if where is not None:
-            param, what, pos = where
-            raise PydanticCustomError(
-                "invalid_unicode", "{what} contains a lone UTF-16 surrogate escape at character {pos}, which is not "
-                "valid Unicode; send real characters (astral ones as a surrogate pair or as raw UTF-8)",
-                {"param": param, "what": what, "pos": pos})
-        return data
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
@@ -145,13 +156,24 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatControls(BaseModel):
+    """What changes a DS4 chat prompt besides the messages (``chat_options`` maps them onto the
+    encoder); shared by chat completions, ``/tokenize`` and ``/apply-template``."""
+
+    chat_template_kwargs: dict[str, Any] | None = None  # thinking, reasoning_effort, drop_thinking
+    thinking: dict[str, Any] | None = None  # DeepSeek API: {"type": "enabled" | "disabled"}
+    reasoning_effort: str | None = Field(default=None, max_length=32)  # OpenAI's top-level effort
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=512)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatControls):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -197,13 +219,31 @@ def find_lone_surrogate(data: Any) -> tuple[str, str, int] | None:
     return None
 
 
-# Fields that would change the answer if silently ignored: refuse them unless harmless.
+# Fields that would change the answer if silently ignored: refuse them unless harmless. A chat
+# request declares the chat controls (``ChatControls``), so the chat-only names below are reached
+# only by a completions request, where they would do nothing.
 _MEANING = {
     "tools": lambda v: not v,
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "thinking": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "chat_template_kwargs": lambda v: not v,
+    "structured_outputs": lambda v: not v,  # vLLM's constrained decoding (not available yet)
+    "guided_grammar": lambda v: v is None,
+    "guided_decoding_backend": lambda v: v is None,
+    "max_reasoning_tokens": lambda v: v is None,  # reasoning budgets (not available yet)
+    "thinking_token_budget": lambda v: v is None,
+    "thinking_budget": lambda v: v is None,
+    "include_reasoning": lambda v: v in (None, True),
+    "parallel_tool_calls": lambda v: v in (None, True),
+    "echo": lambda v: not v,  # vLLM chat: echo the last message
+    "add_generation_prompt": lambda v: v in (None, True),
+    "continue_final_message": lambda v: not v,  # use DeepSeek's "prefix": true on the last message
+    "chat_template": lambda v: v is None,
+    "documents": lambda v: not v,
     "logit_bias": lambda v: not v,
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
@@ -213,21 +253,22 @@ _MEANING = {
     "guided_choice": lambda v: v is None,
     "logits_processors": lambda v: not v,
 }
+_HINTS = {"continue_final_message": "; send \"prefix\": true on the last assistant message instead",
+          "structured_outputs": " (constrained decoding is not available yet)",
+          "max_reasoning_tokens": " (a reasoning budget is not available yet)",
+          "thinking": " on this endpoint (thinking is a chat control)",
+          "reasoning_effort": " on this endpoint (reasoning effort is a chat control)"}
 _logged_ignored: set[str] = set()
 
 
 def check_extra_fields(req: BaseModel, where: str = "") -> None:
+    """400 for an undeclared field that would change the answer; log the others once."""
     extra = req.model_extra or {}
     for name, value in extra.items():
         ok = _MEANING.get(name)
         if ok is not None and not ok(value):
-            raise APIError(400, f"'{name}' is not supported by this server; remove it from the request",
-                           param=name, code="unsupported_parameter")
+            raise APIError(400, f"'{name}' is not supported by this server{_HINTS.get(name, '')}; remove it from "
+                           "the request", param=name, code="unsupported_parameter")
         if ok is None and name not in _logged_ignored:
             _logged_ignored.add(name)
             log.info("ignoring unsupported request field %r%s (logged once)", name, f" in {where}" if where else "")
-    for i, m in enumerate(getattr(req, "messages", []) or []):
-        for name in (m.model_extra or {}):
-            if name == "tool_calls" and m.model_extra[name]:
-                raise APIError(400, "assistant tool_calls are not supported by this server",
-                               param=f"messages[{i}].tool_calls", code="unsupported_parameter")

@@ -13,6 +13,7 @@ from .jobs import build_chat, build_completion, new_request_id
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import respond
 from .state import state_of
+from .tokenize import apply_template, detokenize, model, model_card, tokenize
 
 
 async def health(request: Request) -> Response | dict:
@@ -26,13 +27,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict:
-    state = state_of(request)
-    card = {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "ds4serve",
-            "max_model_len": state.loop.limits.max_model_len}
-    if state.random_weights:
-        card["ds4serve_note"] = ("random placeholder weights: answers are noise (the trained tiny DS4V is "
-                                 "models/ds4v-tiny)")
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(state_of(request))]}
 
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response | dict:
@@ -49,6 +44,10 @@ def install_routes(app: FastAPI) -> None:
     routes = [("GET", "/health", health, "liveness: 200 when the engine is running"),
               ("GET", "/metrics", metrics, "Prometheus metrics"),
               ("GET", "/v1/models", models, "the served model"),
+              ("GET", "/v1/models/{model_id}", model, "one model (404 for an id this server does not serve)"),
+              ("POST", "/tokenize", tokenize, "prompt or messages -> token ids (vLLM's shape)"),
+              ("POST", "/detokenize", detokenize, "token ids -> text (vLLM's shape)"),
+              ("POST", "/apply-template", apply_template, "messages -> the rendered DS4 prompt (llama.cpp's shape)"),
               ("POST", "/v1/chat/completions", chat, "chat completions (streaming or not)"),
               ("POST", "/v1/completions", completions, "text completions (streaming or not)")]
     for method, path, fn, summary in routes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import aclosing
 from functools import partial
 
@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..chat import IncrementalDetokenizer, StopMatcher
 from ..runtime import FatalStepError, QueueFull, RequestOutput, RequestStream, RequestTooLarge
 from .access_log import record_of
+from .chat_stream import ChatChoice
 from .frames import Collected, Event, StreamFrames
 from .jobs import Job
 from .protocol import APIError
@@ -39,12 +40,14 @@ Gone = Callable[[], Awaitable[object]]
 
 
 class ChoiceStream:
-    """One choice's engine outputs as text events (detokenized, stop strings, logprobs, metrics)."""
+    """One choice's engine outputs as events: detokenized text (or, for chat, the parsed reasoning,
+    content and tool calls of ``chat_stream.ChatChoice``), stop strings, logprobs, metrics."""
 
     def __init__(self, state: ServerState, index: int, prompt_len: int, job: Job):
         self.state, self.index = state, index
         self.detok = IncrementalDetokenizer(state.tokenizer, job.skip_special)
         self.stops = StopMatcher(job.stops)
+        self.chat = ChatChoice(state.tokenizer, job.chat, job.stops, job.skip_special) if job.chat else None
         self.logprobs = job.logprobs
         self.prompt_len = prompt_len
         self.completion = 0
@@ -55,16 +58,26 @@ class ChoiceStream:
         self._observe(out)
         self.completion = out.completion_tokens
         eos = self.state.loop.eos_ids
-        ids = [t for t in out.new_token_ids if not (out.finish_reason == "stop" and t in eos)]
-        text = self.stops.feed(self.detok.push(ids))
+        ended_by_eos = out.finish_reason == "stop"
+        ids = [t for t in out.new_token_ids if not (ended_by_eos and t in eos)]
         finish = out.finish_reason if out.finished else None
+        lps = self._logprobs(out, eos if ended_by_eos else ()) if self.logprobs is not None else []
+        if self.chat is not None:
+            deltas = tuple(self.chat.feed(ids, finish is not None))
+            if self.chat.stopped:
+                finish = "stop"
+            if finish is not None:
+                finish = self.chat.finish_reason(finish)
+            return Event(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
+                         (self.prompt_len, self.completion) if finish else None, deltas, self.completion,
+                         self.chat.reasoning_tokens)
+        text = self.stops.feed(self.detok.push(ids))
         if self.stops.stopped:
             finish = "stop"
         elif finish is not None:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
-        lps = self._logprobs(out) if self.logprobs is not None else []
         return Event(self.index, text, tuple(out.new_token_ids), lps, finish, out.error,
-                     (self.prompt_len, self.completion) if finish else None)
+                     (self.prompt_len, self.completion) if finish else None, completion=self.completion)
 
     def _observe(self, out: RequestOutput) -> None:
         if not out.new_token_ids:
@@ -77,11 +90,13 @@ class ChoiceStream:
         self.last_token_at = now
         m.generation_tokens.inc(len(out.new_token_ids))
 
-    def _logprobs(self, out: RequestOutput) -> list[dict]:
+    def _logprobs(self, out: RequestOutput, hidden: Collection[int]) -> list[dict]:
+        """Entries of the new tokens, except the end-of-sequence token that ended the output (``hidden``):
+        it is not part of the answer, so it is not a logprobs entry either."""
         tok = self.state.tokenizer
         entries = []
         for t, lp in zip(out.new_token_ids, out.logprobs or ()):
-            if lp is None:
+            if lp is None or t in hidden:
                 continue
             value, tops = lp
             text = tok.token_text(t)
