@@ -21,6 +21,7 @@ from .middleware import Auth, BodyLimit
 from .openapi import custom_openapi
 from .routes import install_routes
 from .state import ServerState
+from .webui import mount_webui
 
 __all__ = ["ServerLimits", "ServerState", "_error_response", "create_app"]
 
@@ -45,4 +46,5 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(AccessLog, metrics=state.metrics)
     install_error_handlers(app)
     install_routes(app)
+    mount_webui(app, enabled=state.limits.webui)
     return app
