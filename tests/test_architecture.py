@@ -17,7 +17,7 @@ ALLOWED = {
     "config": set(), "multimodal": set(), "chat": set(),
     "model": {"config"},
     "cache": {"config", "model", "multimodal"},  # model/batch.py only (checked below); the image records
-    "engine": {"config", "cache", "model", "multimodal"},
+    "engine": {"config", "cache", "model", "multimodal", "chat"},  # chat: grammar masks in the sampler
     "scheduler": {"config", "engine", "cache", "model", "multimodal"},
     "runtime": {"config", "scheduler", "engine", "cache", "model", "multimodal"},
     "server": {"config", "runtime", "multimodal", "chat"},

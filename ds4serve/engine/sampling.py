@@ -7,7 +7,7 @@ exponential noise per token from their own generator (the "exponential race", eq
 categorical draw), so their token stream does not depend on the batch either.
 
 Order of processing (as vLLM): penalties on raw logits -> suppress EOS/stop ids under
-``min_tokens`` -> temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the
+``min_tokens`` -> grammar mask (``constraints.py``; rows with a grammar only) -> temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the
 raw model distribution.
 """
 
@@ -16,8 +16,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from .constraints import constrain
 
 
 class SamplingError(ValueError):
@@ -39,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's logprob plus the top n
+    # thinking budget: past this many output tokens still inside the reasoning, only </think> may come
+    # (needs a constraint that knows the reasoning state; see constraints.py)
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +58,8 @@ class SamplingParams:
             (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0,
+             "max_reasoning_tokens must be >= 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -82,6 +90,8 @@ class SamplerState:
     eos_ids: tuple[int, ...] = ()
     generator: torch.Generator | None = field(default=None, repr=False)
     base_seed: int | None = field(default=None, repr=False)  # the seed, or one drawn once per request
+    # grammar state (constraints.Constraint, e.g. chat.grammar_runtime.RequestMatcher) or None: free
+    constraint: Any = field(default=None, repr=False)
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The generator for the next output token (re-seeded for token ``len(output_ids)``)."""
@@ -124,8 +134,12 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Dr
     finite = torch.isfinite(logits).all(dim=-1)
     logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros_like(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in states) else None
-    work = _apply_penalties(logits, states)
-    work = _ban(work, states)
+    penalised = _apply_penalties(logits, states)
+    work = constrain(_ban(penalised, states), states)
+    if any(s.constraint is not None for s in states):  # a grammar allowing only what min_tokens bans (EOS)
+        dead = ~torch.isfinite(work).any(dim=-1)
+        if bool(dead.any()):  # sync-ok: constrained steps only
+            work = torch.where(dead.unsqueeze(-1), constrain(penalised, states), work)
     tokens = torch.argmax(work, dim=-1)
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
