@@ -137,6 +137,11 @@ class RequestMatcher:
         return self.think_end_id is not None and self._activated_at is None
 
     @property
+    def has_grammar(self) -> bool:
+        """A grammar applies to the answer (now, or once the reasoning ends)."""
+        return self._m is not None
+
+    @property
     def refused(self) -> bool:
         """A token the grammar forbids was accepted (and not rolled back)."""
         return self._refused_at is not None
@@ -198,7 +203,7 @@ class RequestMatcher:
         if not self.constrained:
             row.fill_(-1)
         elif not self.native:
-            _only(row, self.eos_id)
+            allow_only(row, self.eos_id)
         else:
             words = self.mask_words or row.numel()
             if row.numel() < words:
@@ -220,10 +225,16 @@ class RequestMatcher:
         return len(self._history)
 
 
-def _only(row: torch.Tensor, token_id: int) -> None:
-    """Only ``token_id`` allowed (bit 31 is the int32 sign bit)."""
+def allow_only(row: torch.Tensor, token_id: int) -> None:
+    """Only ``token_id`` allowed in an int32 bitmask row (bit 31 is the sign bit)."""
     row.zero_()
     word = 1 << (token_id % 32)
+    row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def forbid(row: torch.Tensor, token_id: int) -> None:
+    """Clear ``token_id``'s bit in an int32 bitmask row (the rest of the row unchanged)."""
+    word = int(row[token_id // 32]) & ~(1 << (token_id % 32)) & 0xFFFFFFFF
     row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
@@ -324,5 +335,5 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     return logits.index_copy_(0, rows, _mask_rows(logits.index_select(0, rows), bitmask))
 
 
-__all__ = ["GrammarCompiler", "GrammarError", "RequestMatcher", "allocate_bitmask", "apply_bitmask",
-           "fill_bitmasks", "unpack_bitmask"]
+__all__ = ["GrammarCompiler", "GrammarError", "RequestMatcher", "allocate_bitmask", "allow_only", "apply_bitmask",
+           "fill_bitmasks", "forbid", "unpack_bitmask"]

@@ -27,9 +27,13 @@ class Constraint(Protocol):
     """What the sampler needs of a request's grammar state (``RequestMatcher`` has it)."""
 
     think_end_id: int | None
+    eos_id: int
 
     @property
     def num_tokens(self) -> int: ...
+
+    @property
+    def has_grammar(self) -> bool: ...
 
     @property
     def in_reasoning(self) -> bool: ...
@@ -59,7 +63,7 @@ def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
     rows = [i for i, s in enumerate(states) if getattr(s, "constraint", None) is not None]
     if not rows:
         return logits
-    from ..chat.grammar_runtime import allocate_bitmask, apply_bitmask, fill_bitmasks
+    from ..chat.grammar_runtime import allocate_bitmask, allow_only, apply_bitmask, fill_bitmasks, forbid
 
     matchers = []
     for i in rows:
@@ -68,17 +72,14 @@ def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
         matchers.append(s.constraint)
     bitmask = allocate_bitmask(len(rows), logits.shape[1])
     fill_bitmasks(matchers, bitmask)
-    for j, i in enumerate(rows):  # the reasoning budget: past it, only </think> may come next
-        s = states[i]
+    for j, i in enumerate(rows):
+        s, c = states[i], states[i].constraint
+        if not c.in_reasoning:
+            continue
         budget = s.params.max_reasoning_tokens
-        if budget is not None and s.constraint.in_reasoning and len(s.output_ids) >= budget:
-            _only(bitmask[j], s.constraint.think_end_id)
+        if budget is not None and len(s.output_ids) >= budget:  # the budget: only </think> may come next
+            allow_only(bitmask[j], c.think_end_id)
+        elif c.has_grammar:  # the constrained answer must come: no end of sequence inside the reasoning
+            forbid(bitmask[j], c.eos_id)
     out = logits.clone()
     return apply_bitmask(out, bitmask, torch.tensor(rows, device=logits.device))
-
-
-def _only(row: torch.Tensor, token_id: int) -> None:
-    """Only ``token_id`` allowed in an int32 bitmask row (bit 31 is the sign bit)."""
-    row.zero_()
-    word = 1 << (token_id % 32)
-    row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word

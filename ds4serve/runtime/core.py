@@ -12,13 +12,13 @@ plan, fold it back. Used synchronously by ``LLM.generate`` and from the engine-l
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,9 +122,9 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     images: Sequence[ImageInput] | None = None) -> Request:
+                     images: Sequence[ImageInput] | None = None, constraint: Any = None) -> Request:
         return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids),
-                       params=params, eos_ids=self.eos_ids, images=images)
+                       params=params, eos_ids=self.eos_ids, images=images, constraint=constraint)
 
     def fit_problem(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size can never run here (None: it can); any thread may ask."""

@@ -96,6 +96,11 @@ class EngineLoop:
         return self.core.eos_ids
 
     @property
+    def logits_width(self) -> int:
+        """Columns of the model's logits (grammar bitmasks are this wide; it may exceed the tokenizer)."""
+        return self.core.cfg.vocab_size
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
 
@@ -130,14 +135,15 @@ class EngineLoop:
             raise FatalStepError(self.fatal or "the engine is not running")
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     images: Sequence[ImageInput] | None = None) -> RequestStream:
+                     images: Sequence[ImageInput] | None = None, constraint: Any = None) -> RequestStream:
         """Hand a request to the engine loop and wait until it is accepted (or refused).
 
         Raises ``RequestTooLarge`` / ``QueueFull`` / ``FatalStepError`` *before* any output, so an
-        HTTP handler can answer 400 / 503 before it opens a stream.
+        HTTP handler can answer 400 / 503 before it opens a stream. ``constraint`` is the request's
+        grammar state (``engine.constraints``), or None for free output.
         """
         self.check(len(prompt_ids), params.max_tokens)
-        req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images)
+        req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images, constraint=constraint)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, asyncio.Queue())
         with self._lock:

@@ -74,12 +74,14 @@ class Request:
     image_bytes: int = 0  # retained-rows memory accounted to this request
     suspect: int | None = None  # suspect group after a failed step (see isolation.py); None: not suspect
     clear_at: int = 0  # a suspect is cleared once ``computed`` reaches this (past its failed step)
+    constraint: Any = None  # grammar state for the sampler (engine.constraints), None: free output
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
-        self.sampler = SamplerState(self.params, self.prompt_ids, self.output_ids, self.eos_ids)
+        self.sampler = SamplerState(self.params, self.prompt_ids, self.output_ids, self.eos_ids,
+                                    constraint=self.constraint)
 
     @property
     def total_len(self) -> int:

@@ -212,8 +212,8 @@ def chat_setup(body: ChatControls, messages: list[dict[str, Any]], default_think
 
 
 def check_generation(setup: ChatSetup) -> None:
-    """What a chat completion needs beyond rendering: an answer can follow, and nothing asks for
-    constrained output (not available yet; refused rather than ignored)."""
+    """What a chat completion needs beyond rendering: an answer can follow (constrained output is
+    ``constrained.py``'s)."""
     last, where = setup.messages[-1], f"messages[{len(setup.messages) - 1}]"
     if last["role"] == "assistant" and not setup.prefix:
         raise _bad('the last message must not be an assistant message unless it is a prefix to continue '
@@ -221,16 +221,3 @@ def check_generation(setup: ChatSetup) -> None:
     if last["role"] not in ("user", "tool", "developer", "assistant"):
         raise _bad(f"the last message is a {last['role']} message; the model answers after a user, tool or "
                    "developer message", where)
-    # TODO(grammar): chat/grammar.py (grammar_spec) and engine/constraints.py now exist, in progress. Wiring:
-    # build the spec here from setup.options.response_format / tools / tool_choice (GrammarError -> 400
-    # naming err.field), carry it on the Job into SamplingParams, let the sampler mask rows; then drop
-    # these two refusals (and "none" masks the DSML opener instead of chat_stream dropping the calls).
-    if setup.tool_choice in ("required", "function"):
-        raise APIError(400, f"tool_choice {'required' if setup.tool_choice == 'required' else 'naming a function'} "
-                       "needs constrained decoding, which is not available yet; use \"auto\"",
-                       param="tool_choice", code="unsupported_parameter")
-    fmt = setup.options.response_format
-    if fmt is not None:
-        raise APIError(400, f"response_format {fmt['type']!r} needs constrained decoding, which is not available "
-                       "yet (the output would not be guaranteed JSON); use \"text\"", param="response_format",
-                       code="unsupported_parameter")

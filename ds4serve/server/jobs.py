@@ -7,14 +7,16 @@ has been a 4xx. A job then goes to ``serving.respond``; nothing here runs the en
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..chat import ChatFormatError, DS4Prompt, render_completion, render_ds4
 from ..multimodal.records import ImageInput
 from ..runtime import RequestStream, SamplingError, SamplingParams
+from . import constrained
 from .chat_request import ChatSetup, chat_setup, check_generation
 from .protocol import (APIError, ChatCompletionRequest, ChatControls, ChatMessage, CompletionRequest, SamplingFields,
                        check_extra_fields)
@@ -42,6 +44,7 @@ class Job:
     images: list[ImageInput] | None = None  # DS4V: one record per image block of the (single) prompt
     chat: ChatSetup | None = None  # a chat job: how its output is parsed (reasoning, content, tool calls)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    constraints: list[Any] | None = None  # per choice: its grammar matcher (constrained.py) or None
     streams: list[RequestStream] = field(default_factory=list)  # accepted engine requests, one per choice
     record: RequestRecord | None = None  # the request's access-log record (None outside HTTP)
     cancelled: str | None = None  # why the server stopped it early, once it has
@@ -127,10 +130,14 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     stop_ids = _stop_ids(state, body)
-    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for i in range(body.n)]
+    spec = constrained.spec_of(setup, body)
+    budget = constrained.reasoning_budget(setup, body.max_reasoning_tokens, max_tokens, spec is not None)
+    params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids), max_reasoning_tokens=budget)
+              for i in range(body.n)]
+    grammars = await state.run_blocking(constrained.matchers, state, setup, spec, body.n, budget)
     return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
                body.stream, _include_usage(body), time.monotonic(), images=images, chat=setup,
-               continuous_usage=continuous)
+               continuous_usage=continuous, constraints=grammars)
 
 
 def render_prompt(state: ServerState, setup: ChatSetup) -> DS4Prompt:

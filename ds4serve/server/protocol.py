@@ -174,6 +174,8 @@ class ChatCompletionRequest(SamplingFields, ChatControls):
     max_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # reasoning budget in thinking mode: past it only </think> may come (vLLM / DeepSeek style)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
 
 
 class CompletionRequest(SamplingFields):
@@ -231,10 +233,9 @@ _MEANING = {
     "thinking": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "chat_template_kwargs": lambda v: not v,
-    "structured_outputs": lambda v: not v,  # vLLM's constrained decoding (not available yet)
+    "structured_outputs": lambda v: not v,  # vLLM's form of constrained decoding: send response_format
     "guided_grammar": lambda v: v is None,
     "guided_decoding_backend": lambda v: v is None,
-    "max_reasoning_tokens": lambda v: v is None,  # reasoning budgets (not available yet)
     "thinking_token_budget": lambda v: v is None,
     "thinking_budget": lambda v: v is None,
     "include_reasoning": lambda v: v in (None, True),
@@ -254,8 +255,9 @@ _MEANING = {
     "logits_processors": lambda v: not v,
 }
 _HINTS = {"continue_final_message": "; send \"prefix\": true on the last assistant message instead",
-          "structured_outputs": " (constrained decoding is not available yet)",
-          "max_reasoning_tokens": " (a reasoning budget is not available yet)",
+          "structured_outputs": "; send response_format (json_object / json_schema) or tool_choice",
+          "thinking_budget": "; send max_reasoning_tokens",
+          "thinking_token_budget": "; send max_reasoning_tokens",
           "thinking": " on this endpoint (thinking is a chat control)",
           "reasoning_effort": " on this endpoint (reasoning effort is a chat control)"}
 _logged_ignored: set[str] = set()

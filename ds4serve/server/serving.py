@@ -127,7 +127,9 @@ async def admit(state: ServerState, job: Job) -> None:
     prompts = [p for p in job.prompts for _ in range(job.n)]
     try:
         for idx, (p, params) in enumerate(zip(prompts, job.params)):
-            job.streams.append(await state.loop.submit(p, params, f"{job.request_id}-{idx}", images=job.images))
+            grammar = job.constraints[idx] if job.constraints else None
+            job.streams.append(await state.loop.submit(p, params, f"{job.request_id}-{idx}", images=job.images,
+                                                       constraint=grammar))
     except BaseException as exc:
         for st in job.streams:
             await st.aclose()

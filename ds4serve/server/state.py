@@ -8,11 +8,12 @@ decoding) runs in ``executor`` so the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -41,10 +42,21 @@ class ServerState:
     image_pipeline: ImagePipeline | None = None  # multimodal preprocessing (DS4V); None for text-only models
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "ds4serve-prep"))
     started: float = field(default_factory=time.time)
+    _grammar: Any = field(default=None, repr=False)  # GrammarCompiler, built on first constrained request
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = Metrics(self.model_id)
+
+    def grammar_compiler(self):
+        """The served vocabulary's grammar compiler (built once, ~1 s at DS4's 129k tokens; any thread)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from ..chat.grammar_runtime import GrammarCompiler  # noqa: PLC0415 - only when asked for
+
+                self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, vocab_size=self.loop.logits_width)
+            return self._grammar
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
