@@ -29,16 +29,19 @@ measure() {  # side url model round
   for n in $lengths; do
     "$py" "$peers/loadgen.py" --url "$2" --model "$3" --tokenizer "$ckpt/tokenizer.json" --concurrency 1 \
       --requests-per-client "$requests" --prompt-tokens "$n" --max-tokens 1 --warmup 0 --pause 0.5 \
-      --request-timeout 600 --level-timeout 1800 --seed "$((50 + $4))" --label "$1" --out "$out/$1_${n}_$4.json" >/dev/null
+      --request-timeout 600 --level-timeout 1800 --seed "$4" --label "$1" --out "$out/$1_${n}_$4.json" >/dev/null
   done
 }
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null || true' EXIT  # never leave a server behind
+stop() { kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; }
 for r in $(seq 1 "$rounds"); do
   LD_LIBRARY_PATH="$(dirname "$server")" "$server" -m "$work/bench.gguf" --alias bench --host 127.0.0.1 \
     --port 18080 -c "$ctx" -np 1 -t "$(nproc)" -tb "$(nproc)" >"$out/llama.log" 2>&1 & pid=$!
-  up http://127.0.0.1:18080 && measure llama http://127.0.0.1:18080 bench "$r"; kill $pid; wait $pid 2>/dev/null || true
+  up http://127.0.0.1:18080 && measure llama http://127.0.0.1:18080 bench "$r"; stop
   # shellcheck disable=SC2086
   "$ds4" serve --model "$ckpt" --port 18090 --max-seqs 1 --max-model-len "$ctx" ${DS4_ARGS:-} >"$out/ds4serve.log" 2>&1 & pid=$!
-  up http://127.0.0.1:18090 && measure ds4serve http://127.0.0.1:18090 bench-ckpt "$r"; kill $pid; wait $pid 2>/dev/null || true
+  up http://127.0.0.1:18090 && measure ds4serve http://127.0.0.1:18090 bench-ckpt "$r"; stop
 done
 "$py" - "$out" $lengths <<'PY'
 import glob, json, statistics, sys
