@@ -52,16 +52,25 @@ def _timed(core: EngineCore, plan: StepPlan, what: str) -> float:
     return statistics.median(times)
 
 
-def _decode_time(core: EngineCore, n: int) -> float:
+def probe_position(core: EngineCore) -> int:
+    """Where the decode probe decodes: past a full sliding window and several compressed rows, as a
+    live stream does (a decoder at position 8 attends to 8 keys and costs a third less here than one
+    at 300, which would make the budget too generous), within the context and the page pool."""
+    want = 4 * core.cfg.sliding_window
+    room = core.cache.free_pages // max(1, min(core.resolved.max_seqs, 16)) * core.cache.layout.page_tokens
+    return max(8, min(want, core.resolved.max_model_len - 2, room - 2))
+
+
+def _decode_time(core: EngineCore, n: int, position: int) -> float:
     cache, slots = core.cache, []
     try:
         for _ in range(n):
             slot = cache.alloc_slot()
-            if slot is None or not cache.reserve({slot: 10}):
+            if slot is None or not cache.reserve({slot: position + 2}):
                 raise RuntimeError("step-budget calibration: no room for its decode probe")
             slots.append(slot)
         greedy = SamplerState(SamplingParams(temperature=0.0), (3,), [])
-        rows = tuple(DecodeRow(f"calibrate-{i}", s, 8, 3, greedy) for i, s in enumerate(slots))
+        rows = tuple(DecodeRow(f"calibrate-{i}", s, position, 3, greedy) for i, s in enumerate(slots))
         return _timed(core, StepPlan(-10, rows), f"decode of {n} rows")
     finally:
         for s in slots:
@@ -96,10 +105,12 @@ def budget_table(a: float, b: float, c: float, max_stall: float, n_max: int, min
 def calibrate(core: EngineCore, max_stall: float) -> tuple[int, ...]:
     """Measure the step costs on scratch slots and return the prefill-token table."""
     t0 = time.perf_counter()
-    n_big = max(1, min(core.resolved.max_seqs, 16, core.cache.free_slots, core.cache.free_pages))
+    n_big = max(1, min(core.resolved.max_seqs, 16, core.cache.free_slots,
+                       core.cache.free_pages // max(1, core.cache.layout.pages_for(probe_position(core) + 2))))
     probe = max(2, min(_PREFILL_PROBE, core.resolved.staging_rows, core.settings.max_prefill_tokens))
-    t1 = _decode_time(core, 1)
-    tn = _decode_time(core, n_big) if n_big > 1 else t1
+    pos = probe_position(core)
+    t1 = _decode_time(core, 1, pos)
+    tn = _decode_time(core, n_big, pos) if n_big > 1 else t1
     tp = _prefill_time(core, probe)
     b = max(0.0, (tn - t1) / (n_big - 1)) if n_big > 1 else 0.0
     a = max(1e-6, t1 - b)
@@ -107,8 +118,9 @@ def calibrate(core: EngineCore, max_stall: float) -> tuple[int, ...]:
     lim = core.limits
     table = budget_table(a, b, c, max_stall, core.resolved.max_seqs, lim.min_prefill_tokens, lim.step_tokens)
     show = sorted({1, min(4, len(table) - 1), len(table) - 1})
-    log.info("step budget calibrated in %.2f s: decode %.1f ms (1 row) / %.1f ms (%d rows), prefill %.3f ms per "
-             "token -> prefill tokens per step beside %s decoders: %s (a step with prefill <= %.1fx its decoders' "
-             "step; step_tokens %d caps it)", time.perf_counter() - t0, 1000 * t1, 1000 * tn, n_big, 1000 * c,
+    log.info("step budget calibrated in %.2f s: decode at position %d %.1f ms (1 row) / %.1f ms (%d rows), "
+             "prefill %.3f ms per token -> prefill tokens per step beside %s decoders: %s (a step with prefill "
+             "<= %.1fx its decoders' step; step_tokens %d caps it)", time.perf_counter() - t0, pos, 1000 * t1,
+             1000 * tn, n_big, 1000 * c,
              "/".join(map(str, show)), "/".join(str(table[n]) for n in show), max_stall, lim.step_tokens)
     return table
