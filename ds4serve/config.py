@@ -353,35 +353,40 @@ def _check_unsupported(d: dict) -> None:
         raise ConfigError("config field 'quantization_config' must be an object")
 
 
-def _parse(d: dict) -> ModelConfig:
-    """The field table of ``ModelConfig``: each field read (HF name, default) and checked."""
-    _check_model_type(d)
-    n_layers = _req_int(d, "num_hidden_layers", 43)
-    hidden = _req_int(d, "hidden_size", 4096)
-    heads = _req_int(d, "num_attention_heads", 64)
-    head_dim = _req_int(d, "head_dim", 512)
+def _check_consistent(d: dict, heads: int, o_groups: int, scoring: str, n_experts: int, top_k: int,
+                      kinds: tuple[AttnKind, ...], rope_dim: int, index_head_dim: int) -> None:
     if d.get("num_key_value_heads", 1) != 1:
         raise ConfigError("config field 'num_key_value_heads' must be 1 (DeepSeek-V4 uses one shared K=V head)")
-    o_groups = _req_int(d, "o_groups", 8)
     if heads % o_groups:
         raise ConfigError(f"config field 'o_groups' ({o_groups}) must divide num_attention_heads ({heads})")
+    if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        raise ConfigError(f"config field 'scoring_func' = {scoring!r} is not supported")
+    if top_k > n_experts:
+        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) exceeds n_routed_experts ({n_experts})")
+    if any(k is AttnKind.CSA for k in kinds) and rope_dim > index_head_dim:
+        raise ConfigError(f"config field 'index_head_dim' ({index_head_dim}) must be >= qk_rope_head_dim ({rope_dim})")
+
+
+def _parse(d: dict) -> ModelConfig:
+    """The field table of ``ModelConfig``: each field read (HF name, default), then the cross-field
+    checks (``_check_consistent``)."""
+    _check_model_type(d)
+    n_layers = _req_int(d, "num_hidden_layers", 43)
+    heads = _req_int(d, "num_attention_heads", 64)
+    head_dim = _req_int(d, "head_dim", 512)
+    o_groups = _req_int(d, "o_groups", 8)
     kinds, ratios = _parse_attention_layout(d, n_layers)
     main, compress = _parse_rope(d)
     scoring = d.get("scoring_func", "sqrtsoftplus")
-    if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        raise ConfigError(f"config field 'scoring_func' = {scoring!r} is not supported")
     n_experts = _req_int(d, "n_routed_experts", 256)
     top_k = _req_int(d, "num_experts_per_tok", 6)
-    if top_k > n_experts:
-        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) exceeds n_routed_experts ({n_experts})")
     index_head_dim = _req_int(d, "index_head_dim", 128)
     rope_dim = _parse_rope_dim(d, head_dim)
-    if any(k is AttnKind.CSA for k in kinds) and rope_dim > index_head_dim:
-        raise ConfigError(f"config field 'index_head_dim' ({index_head_dim}) must be >= qk_rope_head_dim ({rope_dim})")
+    _check_consistent(d, heads, o_groups, scoring, n_experts, top_k, kinds, rope_dim, index_head_dim)
     _check_unsupported(d)
     return ModelConfig(
         vocab_size=_req_int(d, "vocab_size", 129280),
-        hidden_size=hidden,
+        hidden_size=_req_int(d, "hidden_size", 4096),
         num_layers=n_layers,
         num_heads=heads,
         head_dim=head_dim,
