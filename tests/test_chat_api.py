@@ -415,7 +415,8 @@ def test_responses_have_openai_shapes(server):
     (choice,) = whole["choices"]
     assert set(choice) == {"index", "message", "logprobs", "finish_reason"} and choice["finish_reason"] == "tool_calls"
     msg = choice["message"]
-    assert set(msg) == {"role", "content", "reasoning_content", "reasoning", "tool_calls"} and msg["role"] == "assistant"
+    assert set(msg) == {"role", "content", "refusal", "reasoning_content", "reasoning", "tool_calls"}
+    assert msg["role"] == "assistant" and msg["refusal"] is None  # refusal: required (nullable) by OpenAI
     for tc in msg["tool_calls"]:
         assert set(tc) == {"id", "type", "function"} and set(tc["function"]) == {"name", "arguments"}
         _check_tool_call(tc, streamed=False)

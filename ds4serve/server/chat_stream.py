@@ -96,6 +96,7 @@ def message_of(parsed: ParsedOutput) -> dict[str, Any]:
     """``choices[i].message`` of a non-streaming answer (content is null beside tool calls only)."""
     msg: dict[str, Any] = {"role": "assistant",
                            "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+                           "refusal": None,  # required (nullable) by OpenAI's ChatCompletionResponseMessage
                            "reasoning_content": parsed.reasoning or None, "reasoning": parsed.reasoning or None}
     if parsed.tool_calls:
         msg["tool_calls"] = [dict(c, function=dict(c["function"])) for c in parsed.tool_calls]

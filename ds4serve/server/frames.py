@@ -126,7 +126,7 @@ class Collected:
         job, text, lps, finish = self.job, self.texts[i], self.lps[i], self.finish[i]
         if job.kind == "chat":
             return {"index": i, "message": message_of(self.parsed[i]),
-                    "logprobs": {"content": lps} if job.logprobs is not None else None, "finish_reason": finish}
+                    "logprobs": _chat_logprobs(lps) if job.logprobs is not None else None, "finish_reason": finish}
         return {"index": i, "text": text, "logprobs": _completion_logprobs(lps) if job.logprobs is not None else None,
                 "finish_reason": finish}
 
@@ -136,9 +136,14 @@ def _chat_chunks(job: Job, ev: Event, first: bool) -> list[dict]:
     deltas = deltas_of(ev.deltas, first)
     if not deltas and (ev.finish_reason or ev.logprobs):
         deltas = [{}]
-    lp = {"content": ev.logprobs} if job.logprobs is not None else None
+    lp = _chat_logprobs(ev.logprobs) if job.logprobs is not None else None
     return [{"index": ev.index, "delta": d, "logprobs": lp if k == 0 else None,
              "finish_reason": ev.finish_reason if k == len(deltas) - 1 else None} for k, d in enumerate(deltas)]
+
+
+def _chat_logprobs(entries: list[dict]) -> dict:
+    """A chat choice's ``logprobs``: OpenAI requires both lists (each nullable); nothing is ever refused here."""
+    return {"content": entries, "refusal": None}
 
 
 def _chunk(job: Job, ev: Event) -> dict:
