@@ -11,17 +11,19 @@ from ds4serve.bench.serve_bench import Result, make_requests, markdown, run_leve
 
 
 def test_summary_arithmetic():
-    results = [Result(True, ttft=0.1, e2e=1.1, itl=[0.2, 0.3, 0.5], output_tokens=5),
-               Result(True, ttft=0.3, e2e=0.7, itl=[0.4], output_tokens=2),
+    results = [Result(True, ttft=0.1, e2e=1.1, itl=[0.2, 0.3, 0.5], output_tokens=5, prompt_tokens=40),
+               Result(True, ttft=0.3, e2e=0.7, itl=[0.4], output_tokens=2, prompt_tokens=30),
                Result(False, error="HTTP 503"), Result(False, error="HTTP 503")]
     lv = summarise("c=2", 2, None, results, duration=2.0)
     assert lv.completed == 2 and lv.requests == 4 and lv.errors == {"HTTP 503": 2}
     assert lv.output_throughput == pytest.approx(3.5) and lv.request_throughput == pytest.approx(1.0)
     assert lv.tpot_ms["p50"] in (pytest.approx(250.0), pytest.approx(400.0))  # (1.1-0.1)/4, (0.7-0.3)/1
     assert lv.longest_pause_ms == pytest.approx(500.0)
+    assert lv.prompt_tok_s_ttft == pytest.approx(250.0)  # median of 40 / 0.1 and 30 / 0.3
+    assert lv.prompt_throughput == pytest.approx(35.0)
     assert lv.ttft_ms["p99"] <= 300.0 + 1e-6
     table = markdown([lv])
-    assert "| c=2 | 4 | 2 |" in table and "HTTP 503" in table
+    assert "| c=2 | 4 | 2 |" in table and "HTTP 503" in table and "| 250 |" in table
 
 
 def test_bodies_are_seeded_and_honour_ignore_eos():
@@ -41,3 +43,4 @@ def test_load_levels_against_a_live_server(server, concurrency, rate):
     assert all(len(r.itl) <= 6 for r in results)
     lv = summarise("x", concurrency, rate, results, duration)
     assert lv.output_throughput == pytest.approx(42 / duration)
+    assert all(r.prompt_tokens > 0 for r in results) and lv.prompt_tok_s_ttft > 0  # the server's usage

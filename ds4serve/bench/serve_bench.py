@@ -23,6 +23,7 @@ import base64
 import io
 import json
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    prompt_tokens: int = 0  # as the server counts them (usage.prompt_tokens); 0 when it does not say
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Level:
     request_throughput: float
     output_throughput: float
     longest_pause_ms: float
+    # prompt processing as users feel it: per request prompt_tokens / TTFT, median (nan when the server
+    # reports no usage); and all prompt tokens of the level over its wall time
+    prompt_tok_s_ttft: float = float("nan")
+    prompt_throughput: float = 0.0
 
 
 def _pct(values: list[float]) -> dict[str, float]:
@@ -109,7 +115,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
     t0 = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    tokens = pieces = 0
+    tokens = pieces = prompt = 0
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -123,6 +129,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
                     return Result(False, error=f"stream error: {chunk['error'].get('code')}")
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                    prompt = chunk["usage"].get("prompt_tokens") or 0
                 for choice in chunk.get("choices", []):
                     if choice.get("delta", {}).get("content"):
                         pieces += 1
@@ -139,7 +146,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
         return Result(False, error="no tokens")
     # servers that ignore include_usage: count content chunks (one token each, or fewer chunks than
     # tokens where the detokenizer holds back a partial character, so never an overcount)
-    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens or pieces)
+    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens or pieces, prompt_tokens=prompt)
 
 
 async def run_level(base: str, bodies: list[dict], concurrency: int | None, rate: float | None, seed: int,
@@ -184,19 +191,25 @@ def summarise(label: str, concurrency, rate, results: list[Result], duration: fl
                  ttft_ms=_pct([r.ttft for r in ok]), tpot_ms=_pct(tpot), itl_ms=_pct(gaps),
                  e2e_ms=_pct([r.e2e for r in ok]), request_throughput=len(ok) / duration,
                  output_throughput=sum(r.output_tokens for r in ok) / duration,
-                 longest_pause_ms=1000 * max(gaps, default=0.0))
+                 longest_pause_ms=1000 * max(gaps, default=0.0),
+                 prompt_tok_s_ttft=_median([r.prompt_tokens / r.ttft for r in ok if r.prompt_tokens and r.ttft > 0]),
+                 prompt_throughput=sum(r.prompt_tokens for r in ok) / duration)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def markdown(levels: list[Level]) -> str:
     head = ("| load | req | ok | TTFT p50/p90/p99 ms | TPOT p50/p90 ms | ITL p50/p90/p99 ms | E2E p50/p90 ms | "
-            "req/s | out tok/s | longest pause ms | errors |")
-    rows = [head, "|" + "---|" * 11]
+            "req/s | out tok/s | prompt tok/s (per request, from TTFT) | longest pause ms | errors |")
+    rows = [head, "|" + "---|" * 12]
     for lv in levels:
         t, p, i, e = lv.ttft_ms, lv.tpot_ms, lv.itl_ms, lv.e2e_ms
         rows.append(f"| {lv.label} | {lv.requests} | {lv.completed} | {t['p50']:.0f}/{t['p90']:.0f}/{t['p99']:.0f} | "
                     f"{p['p50']:.1f}/{p['p90']:.1f} | {i['p50']:.1f}/{i['p90']:.1f}/{i['p99']:.1f} | "
                     f"{e['p50']:.0f}/{e['p90']:.0f} | {lv.request_throughput:.2f} | {lv.output_throughput:.1f} | "
-                    f"{lv.longest_pause_ms:.0f} | {lv.errors or '-'} |")
+                    f"{lv.prompt_tok_s_ttft:.0f} | {lv.longest_pause_ms:.0f} | {lv.errors or '-'} |")
     return "\n".join(rows)
 
 
