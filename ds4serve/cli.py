@@ -205,6 +205,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     img.add_argument("--step-tokens", type=int, default=24)
     img.add_argument("--threads", type=int, default=None)
     img.add_argument("--rounds", type=int, default=5, help="interleaved sliced / whole rounds (figures are medians)")
+    gr = bsub.add_parser("grammar", help="per-step cost of grammar-constrained decoding at N concurrent requests")
+    gr.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json or model folder (default: bundled)")
+    gr.add_argument("--batch", type=int, default=16, help="concurrent constrained requests")
+    gr.add_argument("--threads", type=int, default=1, help="torch CPU threads for the logit mask")
+    gr.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +356,11 @@ def _bench(args) -> int:
         from .bench.images_bench import run as run_images
 
         run_images(args.model, step_tokens=args.step_tokens, threads=args.threads, rounds=args.rounds)
+        return 0
+    if args.bench_command == "grammar":
+        from .bench.grammar_bench import run as run_grammar
+
+        run_grammar(args.tokenizer, batch=args.batch, threads=args.threads, out=args.json)
         return 0
     raise SystemExit(f"unknown bench {args.bench_command}")
 
