@@ -240,17 +240,26 @@ def step_tests(cmd: list[str], device: str, out: Path, limit: float) -> Step:
     return s
 
 
-def step_engine(cmd: list[str], device: str, out: Path, limit: float) -> Step:
-    s = Step("bench engine")
-    js = out / "engine.json"
+def _run_for_json(s: Step, cmd: list[str], device: str, out: Path, limit: float,
+                  stem: str) -> tuple[int | None, dict | None]:
+    """Run a bench that writes ``out/<stem>.json``: its exit status (None: killed at the limit) and
+    figures, or None figures with ``s`` marked failed and the log's last lines as its figures."""
+    js = out / f"{stem}.json"
     js.unlink(missing_ok=True)
-    rc, s.seconds = run_logged(cmd, out / "engine.log", limit, env_for(device))
-    s.log = str(out / "engine.log")
+    rc, s.seconds = run_logged(cmd, out / f"{stem}.log", limit, env_for(device))
+    s.log = str(out / f"{stem}.log")
     try:
-        d = json.loads(js.read_text())
+        return rc, json.loads(js.read_text())
     except (OSError, ValueError):
         s.status = "TIMEOUT" if rc is None else "FAIL"
         s.figures = tail(s.log, 2)[-300:]
+        return rc, None
+
+
+def step_engine(cmd: list[str], device: str, out: Path, limit: float) -> Step:
+    s = Step("bench engine")
+    rc, d = _run_for_json(s, cmd, device, out, limit, "engine")
+    if d is None:
         return s
     s.data = d
     parts = []
@@ -353,15 +362,8 @@ def step_serve(cmd: list[str], device: str, out: Path, limit: float) -> Step:
 
 def step_images(cmd: list[str], device: str, out: Path, limit: float) -> Step:
     s = Step("images")
-    js = out / "images.json"
-    js.unlink(missing_ok=True)
-    rc, s.seconds = run_logged(cmd, out / "images.log", limit, env_for(device))
-    s.log = str(out / "images.log")
-    try:
-        d = json.loads(js.read_text())
-    except (OSError, ValueError):
-        s.status = "TIMEOUT" if rc is None else "FAIL"
-        s.figures = tail(s.log, 2)[-300:]
+    rc, d = _run_for_json(s, cmd, device, out, limit, "images")
+    if d is None:
         return s
     sl, wh = d["sliced"], d["whole"]
     s.data = {"sliced": sl, "whole": wh, "overhead": d["overhead"], "answers_match": d["answers_match"],

@@ -60,7 +60,7 @@ def sync(constraint: Constraint, output_ids: Sequence[int]) -> None:
 def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
     """``logits [N, V]`` with every constrained row masked to its grammar (and reasoning budget);
     unconstrained rows untouched. Returns ``logits`` itself when no row has a constraint."""
-    rows = [i for i, s in enumerate(states) if getattr(s, "constraint", None) is not None]
+    rows = [i for i, s in enumerate(states) if s.constraint is not None]
     if not rows:
         return logits
     from ..chat.grammar_runtime import allocate_bitmask, allow_only, apply_bitmask, fill_bitmasks, forbid

@@ -22,6 +22,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_step_result
 from ..engine.sampling import SamplerState, SamplingParams
 
@@ -41,8 +43,6 @@ def _timed(core: EngineCore, plan: StepPlan, what: str) -> float:
         t = time.perf_counter()
         res = core.engine.step(plan)
         if core.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(core.device)
         if i:
             times.append(time.perf_counter() - t)
