@@ -479,6 +479,11 @@ class EngineSettings:
     # pure-decode steps, one of engine.decode_graphs.MODES ("auto": CUDA graphs on CUDA, else off); checked
     # by the runtime (this module is a leaf and does not restate the list)
     decode_graphs: str = "auto"
+    # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
+    # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
+    enable_prefix_caching: bool = True
+    prefix_cache_budget: str | int | None = None
+    prefix_interval: int = 256
 
     def __post_init__(self) -> None:
         checks = [
@@ -491,15 +496,17 @@ class EngineSettings:
             (self.prefill_mode in ("chunk", "layers"), "prefill_mode must be 'chunk' or 'layers'"),
             (self.max_queue >= 1, "max_queue must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.prefix_interval >= 16, "prefix_interval must be >= 16 tokens"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
         parse_budget(self.kv_budget)
         parse_budget(self.host_budget)
-        rows = parse_budget(self.image_rows_budget)
-        if rows is not None and rows[0] != "bytes":
-            raise ConfigError("image_rows_budget is a size in bytes, e.g. 256MiB")
+        for name in ("image_rows_budget", "prefix_cache_budget"):
+            got = parse_budget(getattr(self, name))
+            if got is not None and got[0] != "bytes":
+                raise ConfigError(f"{name} is a size in bytes, e.g. 256MiB")
 
 
 def cache_root() -> Path:

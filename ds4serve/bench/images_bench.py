@@ -126,7 +126,9 @@ def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[
 
     ``texts`` are prompt ids, ``images`` (ids, ImageInput list) pairs, all greedy with ``ignore_eos``
     so every run does the same work. Gaps are wall time between consecutive tokens of a text stream
-    as the caller of ``core.step()`` sees them."""
+    as the caller of ``core.step()`` sees them. Every run starts with an empty prefix cache: rounds
+    repeat the same prompts, and a hit would skip the very image prefill this measures."""
+    core.reset_prefix_cache()
     greedy = dict(temperature=0, ignore_eos=True)
     streams = [core.make_request(t, SamplingParams(max_tokens=text_tokens, **greedy)) for t in texts]
     for r in streams:
@@ -185,13 +187,16 @@ def _prompt(tok, pipeline, text: str, seeds: list[int]):
 
 
 def _concurrency(core, prompts, new_tokens: int) -> tuple[float, float]:
-    """(seconds for the image requests one after another, seconds for them all at once)."""
+    """(seconds for the image requests one after another, seconds for them all at once), each from an
+    empty prefix cache (the second run sends the same prompts)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    core.reset_prefix_cache()
     t0 = time.monotonic()
     for p, ims in prompts:
         core.add(core.make_request(p, params, images=ims))
         core.run_until_idle()
     sequential = time.monotonic() - t0
+    core.reset_prefix_cache()
     t0 = time.monotonic()
     for p, ims in prompts:
         core.add(core.make_request(p, params, images=ims))

@@ -7,6 +7,10 @@
 * ``drop``: free a slot and its pages; the scheduler recomputes the sequence from its retained
   input later (only allowed when the input is fully retained).
 
+* the *prefix cache* (``prefix.py``), when enabled: snapshots that share pages with live sequences.
+  Live requests win over it: a reservation that is short evicts snapshots before it fails, and the
+  pages only the cache holds count as free for admission.
+
 Also owns the per-slot *staging* buffers of prefill passes (the hidden streams ``[rows, hc, D]``
 kept between layer slices), allocated at start-up like everything else fixed.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import StateLayout
+from .prefix import PrefixCache
 from .state import ModelState
 
 log = logging.getLogger(__name__)
@@ -60,9 +65,10 @@ _POOLS = ("comp_pool", "idx_pool")
 
 class CacheManager:
     def __init__(self, layout: StateLayout, n_slots: int, n_pages: int, device: torch.device | str,
-                 host_budget_bytes: int, staging_rows: int):
+                 host_budget_bytes: int, staging_rows: int, prefix_budget_bytes: int = 0):
         self.layout = layout
         self.state = ModelState(layout, n_slots, n_pages, device, zero_on_handout=True)
+        self.prefix = PrefixCache(layout, self.state, prefix_budget_bytes) if prefix_budget_bytes > 0 else None
         self.host_budget = int(host_budget_bytes)
         self.host_used = 0
         self._free_slots = list(range(n_slots - 1, -1, -1))
@@ -88,7 +94,14 @@ class CacheManager:
 
     @property
     def free_pages(self) -> int:
-        return self.state.pages.free_pages
+        """Free pages plus those only the prefix cache holds (evicted on demand)."""
+        return self.state.pages.free_pages + self.state.pages.cache_only_pages
+
+    def make_room(self, n_pages: int) -> bool:
+        """Evict prefix snapshots until ``n_pages`` pages are really free (False if they cannot be)."""
+        if self.state.pages.free_pages >= n_pages:
+            return True
+        return self.prefix is not None and self.prefix.make_room(n_pages)
 
     def alloc_slot(self) -> SlotHandle | None:
         if not self._free_slots:
@@ -110,6 +123,8 @@ class CacheManager:
         self.state.pages.release(slot)
         self._gen[slot] += 1
         self._free_slots.append(int(slot))
+        if self.prefix is not None:
+            self.prefix.trim()
 
     # ---- pages ---------------------------------------------------------------------------------
     def pages_short(self, growth: dict[int, int]) -> int:
@@ -122,6 +137,9 @@ class CacheManager:
         for slot in growth:
             self.check(slot)
         if self.pages_short(growth):
+            return False
+        need = sum(max(0, self.layout.pages_for(n) - self.state.pages.owned(s)) for s, n in growth.items())
+        if not self.make_room(need):
             return False
         for slot, n in growth.items():
             had = self.state.pages.owned(slot)
@@ -159,7 +177,7 @@ class CacheManager:
 
     def restore(self, snap: HostSnapshot) -> SlotHandle | None:
         """Bring a snapshot back into a free slot with fresh pages; ``None`` if either is short."""
-        if not self._free_slots or snap.n_pages > self.free_pages:
+        if not self._free_slots or not self.make_room(snap.n_pages):
             return None
         slot = self.alloc_slot()
         if not self.state.pages.reserve(slot, snap.n_pages):
@@ -212,6 +230,10 @@ class CacheManager:
         owners = set(self.state.pages.owners()) - live
         if owners:
             problems.append(f"pages owned by freed slots {sorted(owners)}")
-        if not live and self.state.pages.used_pages:
-            problems.append(f"{self.state.pages.used_pages} pages in use")
+        cached = self.state.pages.cache_only_pages
+        if not live and self.state.pages.used_pages != cached:
+            problems.append(f"{self.state.pages.used_pages} pages in use, {cached} of them held by the prefix cache")
+        problems += self.state.pages.problems(self.prefix.holds() if self.prefix is not None else {})
+        if self.prefix is not None:
+            problems += self.prefix.problems()
         return "; ".join(problems)

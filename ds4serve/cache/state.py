@@ -37,7 +37,7 @@ class ModelState:
         # 1 once a page's pool rows are zero; all of them at once unless the owner of the page
         # allocator (CacheManager) promises to call ``zero_fresh`` on every page it hands out
         self._zeroed = bytearray(n_pages) if zero_on_handout else bytearray(b"\x01" * n_pages)
-        self.layers: list[LayerState] = [self._alloc_layer(ly, n_slots, n_pages) for ly in layout.layers]
+        self.layers: list[LayerState] = [self._alloc_layer(sh, n_slots, n_pages) for sh in self.shapes(layout)]
         log.info(
             "allocated model state: %d slots x %.3f MiB fixed = %.1f MiB; %d pages x %.1f KiB = %.1f MiB "
             "(%d tokens of compressed state), plus one scratch page for padded decode rows",
@@ -46,19 +46,33 @@ class ModelState:
             n_pages * layout.page_tokens,
         )
 
-    def _alloc_layer(self, ly, n_slots: int, n_pages: int) -> LayerState:
-        dev, dt = self.device, self.layout.dtype
-        st = LayerState(swa=torch.zeros(n_slots * ly.window, ly.head_dim, dtype=dt, device=dev))
-        if ly.ratio:
-            # one page past the budget: the scratch page that padded rows of fixed-shape decode
-            # forwards write to (never handed out, never read)
-            rows = (n_pages + 1) * self.layout.rows_per_page(ly.ratio)
-            st.comp_ring = torch.zeros(n_slots * ly.span, ly.comp_width, dtype=torch.float32, device=dev)
-            st.comp_pool = self._fresh_pool(rows, ly.head_dim, dt)
-            if ly.overlap:
-                st.idx_ring = torch.zeros(n_slots * ly.span, ly.idx_width, dtype=torch.float32, device=dev)
-                st.idx_pool = self._fresh_pool(rows, ly.index_head_dim, dt)
-        return st
+    @staticmethod
+    def shapes(layout: StateLayout) -> list[dict[str, tuple[int, int, torch.dtype]]]:
+        """Per layer: tensor name -> (rows per slot for rings / per page for pools, width, dtype)."""
+        out = []
+        for ly in layout.layers:
+            shape = {"swa": (ly.window, ly.head_dim, layout.dtype)}
+            if ly.ratio:
+                rpp = layout.rows_per_page(ly.ratio)
+                shape["comp_ring"] = (ly.span, ly.comp_width, torch.float32)
+                shape["comp_pool"] = (rpp, ly.head_dim, layout.dtype)
+                if ly.overlap:
+                    shape["idx_ring"] = (ly.span, ly.idx_width, torch.float32)
+                    shape["idx_pool"] = (rpp, ly.index_head_dim, layout.dtype)
+            out.append(shape)
+        return out
+
+    def _alloc_layer(self, shape: dict[str, tuple[int, int, torch.dtype]], n_slots: int, n_pages: int) -> LayerState:
+        dev = self.device
+        tensors = {}
+        for name, (per, width, dtype) in shape.items():
+            if name.endswith("_pool"):
+                # one page past the budget: the scratch page that padded rows of fixed-shape decode
+                # forwards write to (never handed out, never read)
+                tensors[name] = self._fresh_pool((n_pages + 1) * per, width, dtype)
+            else:
+                tensors[name] = torch.zeros(n_slots * per, width, dtype=dtype, device=dev)
+        return LayerState(**tensors)
 
     def _fresh_pool(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Pool rows uninitialised except the scratch page (written by padded rows, never read)."""

@@ -77,12 +77,13 @@ class EngineCore:
         self.device = torch.device(device)
         layout = StateLayout.build(cfg, dtype, s.page_tokens)
         self.resolved = r = resolve(cfg, s, layout, self.device)
-        self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows)
+        self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows,
+                                  prefix_budget_bytes=r.prefix_budget)
         self.engine = self._engine(model, engine_factory)
         self.limits = SchedulerLimits(
             num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=s.step_tokens,
             max_prefill_tokens=s.max_prefill_tokens, min_prefill_tokens=s.min_prefill_tokens,
-            prefill_mode=s.prefill_mode, max_queue=s.max_queue,
+            prefill_mode=s.prefill_mode, max_queue=s.max_queue, prefix_interval=s.prefix_interval,
             image_rows_budget=r.image_rows_budget if cfg.vision.enabled else 0)
         encoder = getattr(model, "vision_encoder", None) if model is not None else None
         self.encoder = EncoderWorker(encoder, self.device, dtype, cfg.hidden_size) if encoder is not None else None
@@ -122,9 +123,11 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     images: Sequence[ImageInput] | None = None, constraint: Any = None) -> Request:
+                     images: Sequence[ImageInput] | None = None, constraint: Any = None, cache_salt: str = "",
+                     cache_points: Sequence[int] = ()) -> Request:
         return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids),
-                       params=params, eos_ids=self.eos_ids, images=images, constraint=constraint)
+                       params=params, eos_ids=self.eos_ids, images=images, constraint=constraint,
+                       cache_salt=cache_salt, cache_points=tuple(cache_points))
 
     def fit_problem(self, prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size can never run here (None: it can); any thread may ask."""
@@ -190,6 +193,19 @@ class EngineCore:
         """Stop the encoder worker (the engine loop owns everything else)."""
         if self.encoder is not None:
             self.encoder.shutdown()
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (snapshots pinned by live requests stay); returns how many went."""
+        prefix = self.cache.prefix
+        return prefix.reset() if prefix is not None else 0
+
+    def prefix_stats(self) -> dict:
+        """Prefix-cache counters for metrics and logs (``enabled`` False: caching is off)."""
+        prefix = self.cache.prefix
+        if prefix is None:
+            return {"enabled": False, "hits": 0, "misses": 0, "hit_tokens": 0, "queried_tokens": 0, "stored": 0,
+                    "evictions": 0, "snapshots": 0, "cached_pages": 0, "cached_bytes": 0, "budget_bytes": 0}
+        return {"enabled": True, **prefix.summary()}
 
     def leaks(self) -> str:
         """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""

@@ -135,15 +135,19 @@ class EngineLoop:
             raise FatalStepError(self.fatal or "the engine is not running")
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     images: Sequence[ImageInput] | None = None, constraint: Any = None) -> RequestStream:
+                     images: Sequence[ImageInput] | None = None, constraint: Any = None, cache_salt: str = "",
+                     cache_points: Sequence[int] = ()) -> RequestStream:
         """Hand a request to the engine loop and wait until it is accepted (or refused).
 
         Raises ``RequestTooLarge`` / ``QueueFull`` / ``FatalStepError`` *before* any output, so an
         HTTP handler can answer 400 / 503 before it opens a stream. ``constraint`` is the request's
-        grammar state (``engine.constraints``), or None for free output.
+        grammar state (``engine.constraints``), or None for free output. ``cache_salt`` names the
+        prefix-cache tenant (hits only within one salt); ``cache_points`` are extra positions where the
+        prefix cache should keep a snapshot (e.g. the end of the user turn in thinking mode).
         """
         self.check(len(prompt_ids), params.max_tokens)
-        req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images, constraint=constraint)
+        req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images, constraint=constraint,
+                                     cache_salt=cache_salt, cache_points=cache_points)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, asyncio.Queue())
         with self._lock:

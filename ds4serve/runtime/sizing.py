@@ -26,6 +26,7 @@ class Resolved:
     host_budget: int  # bytes of host memory for suspended sequences
     staging_rows: int  # rows of pass staging: the longest chunk the planner may legally make
     image_rows_budget: int  # bytes of retained image rows
+    prefix_budget: int = 0  # bytes of prefix-cache snapshots + cache-only pages (0: caching off)
 
 
 def available_memory(device: torch.device) -> int:
@@ -61,6 +62,18 @@ def _host_bytes(s: EngineSettings, layout: StateLayout) -> int:
     return int(host[1] * layout.bytes_per_token()) + layout.bytes_per_slot()
 
 
+def _prefix_bytes(s: EngineSettings, layout: StateLayout, n_pages: int) -> int:
+    """The prefix cache's budget: the setting, else a quarter of the pool but room for at least two
+    snapshots per slot (one snapshot is one slot's rings plus one page)."""
+    if not s.enable_prefix_caching:
+        return 0
+    got = parse_budget(s.prefix_cache_budget)
+    if got is not None:
+        return got[1]
+    snap = layout.bytes_per_slot() + layout.bytes_per_page()
+    return max(n_pages * layout.bytes_per_page() // 4, 2 * s.max_seqs * snap)
+
+
 def resolve(cfg: ModelConfig, s: EngineSettings, layout: StateLayout, device: torch.device) -> Resolved:
     """Concrete sizes from settings; defaults derive from the model and the device's free memory."""
     max_len = min(s.max_model_len or 8192, cfg.max_position_embeddings)
@@ -68,7 +81,8 @@ def resolve(cfg: ModelConfig, s: EngineSettings, layout: StateLayout, device: to
     # staging holds the longest chunk the planner may legally make (its tail and block overshoots)
     staging = max_chunk_len(s.max_prefill_tokens, s.min_prefill_tokens,
                             cfg.vision.max_n_token if cfg.vision.enabled else 0)
-    return Resolved(max_seqs=s.max_seqs, max_model_len=max_len,
-                    n_pages=_n_pages(s, layout, layout.pages_for(max_len), device),
+    n_pages = _n_pages(s, layout, layout.pages_for(max_len), device)
+    return Resolved(max_seqs=s.max_seqs, max_model_len=max_len, n_pages=n_pages,
                     host_budget=_host_bytes(s, layout), staging_rows=staging,
-                    image_rows_budget=rows[1] if rows else 256 * 2**20)
+                    image_rows_budget=rows[1] if rows else 256 * 2**20,
+                    prefix_budget=_prefix_bytes(s, layout, n_pages))

@@ -35,6 +35,7 @@ class SchedulerLimits:
     # prefill tokens a step may carry beside n decoders, index n (runtime/calibrate.py); empty: the
     # token budget, step_tokens - n
     prefill_tokens_at: tuple[int, ...] = ()
+    prefix_interval: int = 256  # prefix-cache snapshot every this many input tokens (when caching is on)
 
     def prefill_tokens(self, n_decoders: int) -> int:
         """Prefill tokens a step may carry beside ``n_decoders`` (before the progress floor)."""

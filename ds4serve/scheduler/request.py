@@ -50,6 +50,7 @@ class RequestOutput:
     error: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache (fixed at admission)
 
 
 @dataclass
@@ -75,6 +76,11 @@ class Request:
     suspect: int | None = None  # suspect group after a failed step (see isolation.py); None: not suspect
     clear_at: int = 0  # a suspect is cleared once ``computed`` reaches this (past its failed step)
     constraint: Any = None  # grammar state for the sampler (engine.constraints), None: free output
+    cache_salt: str = ""  # prefix-cache tenant: hits only between requests of the same salt
+    cache_points: tuple[int, ...] = ()  # extra prefix-snapshot positions (e.g. the end of the user turn)
+    cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission
+    first_image: int = 0  # images before this index lie under that hit: never sent to the encoder
+    prefix: Any = None  # the scheduler's prefix-cache bookkeeping (scheduler.reuse.PrefixState)
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +108,11 @@ class Request:
     def spans(self) -> tuple[ImageSpan, ...]:
         """Image blocks (absolute positions), in order."""
         return tuple(im.span for im in self.images) if self.images else ()
+
+    @property
+    def live_spans(self) -> tuple[ImageSpan, ...]:
+        """Spans of the images the encoder was (or will be) asked for: those past a prefix hit."""
+        return self.spans[self.first_image:]
 
     def recomputable_from(self, images: Sequence[ImageState]) -> bool:
         """Its whole input is retained: token ids, and the rows of every image already encoded

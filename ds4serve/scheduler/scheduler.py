@@ -32,6 +32,7 @@ from .admission import QueueFull, RequestTooLarge, SchedulerLimits, fit_problem
 from .isolation import Quarantine
 from .passes import PassTable
 from .request import Request, RequestOutput, RequestStatus
+from .reuse import PrefixReuse
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self._outputs: list[RequestOutput] = []
         self.quarantine = Quarantine()
+        self.reuse = PrefixReuse(cache, limits.prefix_interval)
         self.stats = {"added": 0, "preempt_suspend": 0, "preempt_drop": 0, "preempt_fail": 0, "rejected": 0,
                       "resumed": 0, "completed": 0, "aborted": 0, "failed": 0, "aborted_in_pass": 0,
                       "step_failures": 0, "recomputed_after_failure": 0, "isolated_failures": 0,
@@ -165,6 +167,8 @@ class Scheduler:
             if not self._has_room_for(req):
                 return False
             slot = self.cache.alloc_slot()
+            req.slot = slot
+            self.reuse.attach(req, first=False)  # a recompute may come back through the prefix cache
         req.slot = slot
         self.parked.remove(req)
         self._enter_running(req)
@@ -175,8 +179,9 @@ class Scheduler:
         while self.waiting and not self.parked and self._has_room_for(self.waiting[0]):
             req = self.waiting.popleft()
             req.slot = self.cache.alloc_slot()
+            self.reuse.attach(req, first=True)
             if req.images:
-                self.encoder.submit(req.request_id, req.images)  # admission order
+                self.encoder.submit(req.request_id, req.images[req.first_image:])  # admission order
                 req.images_submitted = True
                 self.image_bytes_used += req.image_bytes
             self._enter_running(req)
@@ -296,6 +301,9 @@ class Scheduler:
                 # one whole chunk as a pass, as many layers as the budget holds
                 n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
                         else tokens_left)
+                cut = self.reuse.cut(req)
+                if cut is not None:
+                    n = min(n, cut - req.computed)  # end at the next prefix-snapshot point
             if n <= 0:
                 continue
             if not self.cache.reserve({req.slot: req.computed + n}):
@@ -316,7 +324,8 @@ class Scheduler:
         lo, hi = req.computed, req.computed + n
         images = ()
         if req.images:
-            images = tuple(im.rows for im, sp in zip(self._images(req), req.spans) if lo <= sp.start and sp.end <= hi)
+            images = tuple(im.rows for im, sp in zip(self._images(req), req.live_spans)
+                           if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
                           sampler=req.sampler, spans=req.spans, images=images)
 
@@ -327,9 +336,11 @@ class Scheduler:
         spans = req.spans
         blocks = [(sp.start, sp.end) for sp in spans]
         lo = req.computed
-        n = next_chunk(lo, req.total_len, self.limits.max_prefill_tokens, blocks, self.limits.min_prefill_tokens)
+        cut = self.reuse.cut(req)
+        budget = self.limits.max_prefill_tokens if cut is None else min(self.limits.max_prefill_tokens, cut - lo)
+        n = next_chunk(lo, req.total_len, budget, blocks, self.limits.min_prefill_tokens)
         hi = lo + n
-        for im, sp in zip(self._images(req), spans):
+        for im, sp in zip(self._images(req), req.live_spans):
             if sp.end <= lo or sp.start >= hi:
                 continue
             if not im.ready:
@@ -348,14 +359,16 @@ class Scheduler:
             return self.take_outputs()
         for d in plan.decodes:
             self.requests[d.request_id].computed += 1
-        for p in plan.passes:
-            self._advance_pass(p)
+        advanced = [r for p in plan.passes for r in self._advance_pass(p)]
         for tok in result.tokens:
             req = self.requests[tok.request_id]
             if tok.status is RowStatus.FAILED:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
             else:
                 self._accept(req, tok)
+        for req in advanced:
+            if not req.status.finished:  # finished ones were snapshotted (or not, on errors) by _finish
+                self.reuse.after_prefill(req)
         for rid in plan.request_ids:
             req = self.requests.get(rid)
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
@@ -415,15 +428,19 @@ class Scheduler:
         self.parked.sort(key=lambda r: r.arrival)
         self.stats["recomputed_after_failure"] += 1
 
-    def _advance_pass(self, p: PassSlice) -> None:
+    def _advance_pass(self, p: PassSlice) -> list[Request]:
+        """Fold a slice in; returns the members whose pass completed (their chunk is in the cache)."""
         if not self.passes.advanced(p):
-            return
+            return []
+        done = []
         for m in p.members:
             req = self.requests[m.request_id]
             req.pass_id = None
             req.computed += len(m.ids)
+            done.append(req)
             if not req.status.finished and req.pending == 1 and not m.sample:
                 req.status = RequestStatus.DECODING
+        return done
 
     def _accept(self, req: Request, tok) -> None:
         if req.status.finished:
@@ -448,10 +465,12 @@ class Scheduler:
         self._outputs.append(RequestOutput(
             request_id=req.request_id, new_token_ids=tokens, logprobs=logprobs, finished=req.status.finished,
             finish_reason=req.status.finish_reason, error=req.error, prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids)))
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens))
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None, new=None) -> None:
         """End a request and free everything it holds (slot, pages, snapshot, pass, image rows)."""
+        self.reuse.at_finish(req, completed=status in (RequestStatus.FINISHED_STOP, RequestStatus.FINISHED_LENGTH)
+                             and req in self.running)
         if req.images_submitted:
             self.encoder.cancel(req.request_id)
             self.image_bytes_used -= req.image_bytes

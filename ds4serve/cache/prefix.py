@@ -1,0 +1,208 @@
+"""The prefix cache: content-keyed shared pages plus ring snapshots, exact for DS4 (DESIGN §4).
+
+A snapshot at position ``H`` of a sequence holds (a) references on the sequence's full pages below
+``H`` (compressed and indexer rows are append-only, so those pages never change again and are
+shared, not copied) and (b) a copy, in the snapshot arena, of what pages cannot share: the sliding
+rings, the open compressor windows and the partial page of ``[H - H % page_tokens, H)``.
+
+A hit at ``H`` puts the snapshot's rings into the new sequence's slot, starts its block table with
+the shared pages and copies the partial page into a fresh one. The sequence then holds exactly the
+state a cold run holds after computing ``[0, H)``, so what it computes next is what a cold run whose
+prefill is cut at ``H`` computes: nothing is recomputed, nothing is approximated.
+
+Eviction is LRU over snapshots that no live request pins; a page goes back to the pool when neither
+a table nor a snapshot references it, so snapshots always go before the pages under them. Live
+requests win over the cache: a reservation that is short evicts snapshots first (``make_room``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .layout import StateLayout
+from .pages import PageAllocator
+from .prefix_keys import BLOCK, PrefixKeys
+from .snapshots import SnapshotArena
+from .state import ModelState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Snapshot:
+    key: bytes
+    anchor: bytes  # boundary key of the BLOCK below ``position`` (the lookup index)
+    position: int  # the state covers input positions [0, position)
+    pages: tuple[int, ...]  # full pages below ``position``, shared
+    tail: bool  # ``position`` is inside a page: the arena entry holds that partial page
+    index: int  # arena entry
+    pins: int = 0  # live requests whose recompute relies on this snapshot (never evicted while > 0)
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    stored: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, layout: StateLayout, state: ModelState, budget_bytes: int, min_tokens: int = 64):
+        self.layout, self.state = layout, state
+        self.pages: PageAllocator = state.pages
+        self.arena = SnapshotArena(layout, max(1, budget_bytes // self._snap_bytes(layout)), state.device)
+        self.budget = int(budget_bytes)
+        self.min_tokens = min_tokens
+        self._free = list(range(self.arena.n - 1, -1, -1))
+        self._lru: OrderedDict[bytes, Snapshot] = OrderedDict()
+        self._by_anchor: dict[bytes, dict[bytes, Snapshot]] = {}  # anchor -> key -> snapshot
+        self._holds: dict[int, int] = {}
+        self.stats = PrefixStats()
+
+    @staticmethod
+    def _snap_bytes(layout: StateLayout) -> int:
+        return layout.bytes_per_slot() + layout.bytes_per_page()
+
+    # ---- accounting ----------------------------------------------------------------------------
+    @property
+    def snapshots(self) -> int:
+        return len(self._lru)
+
+    def bytes_used(self) -> int:
+        """Snapshot copies plus the pages only the cache keeps alive."""
+        return self.snapshots * self.arena.bytes_each() + self.pages.cache_only_pages * self.layout.bytes_per_page()
+
+    def summary(self) -> dict[str, int]:
+        s = self.stats
+        return {"hits": s.hits, "misses": s.misses, "hit_tokens": s.hit_tokens, "queried_tokens": s.queried_tokens,
+                "stored": s.stored, "evictions": s.evictions, "snapshots": self.snapshots,
+                "cached_pages": self.pages.cache_only_pages, "cached_bytes": self.bytes_used(),
+                "budget_bytes": self.budget}
+
+    # ---- lookup and attach -----------------------------------------------------------------------
+    def lookup(self, keys: PrefixKeys, limit: int) -> Snapshot | None:
+        """The longest stored prefix of ``keys``' sequence ending at or before ``limit``."""
+        for j in range(limit // BLOCK, -1, -1):
+            found = self._by_anchor.get(keys.boundary(j))
+            if not found:
+                continue
+            for snap in sorted((s for s in found.values() if s.position <= limit), key=lambda s: -s.position):
+                if keys.key(snap.position) == snap.key:
+                    self._lru.move_to_end(snap.key)
+                    return snap
+        return None
+
+    def attach(self, snap: Snapshot, slot: int) -> bool:
+        """Give the empty ``slot`` the state of ``snap``; False (nothing changed) if no page is free for
+        the partial page."""
+        if snap.tail and not self.make_room(1):
+            return False
+        self.pages.adopt(slot, snap.pages)
+        if snap.tail:
+            if not self.pages.reserve(slot, len(snap.pages) + 1):  # cannot fail after make_room
+                raise RuntimeError("prefix hit: the partial page vanished after make_room")
+            tail = self.pages.table(slot)[-1]
+            self.state.zero_fresh([tail])
+        else:
+            tail = None
+        self.arena.load(snap.index, self.state, slot, tail)
+        self._lru.move_to_end(snap.key)
+        return True
+
+    # ---- store ---------------------------------------------------------------------------------
+    def store(self, keys: PrefixKeys, position: int, slot: int) -> bool:
+        """Snapshot ``slot`` (whose state covers exactly ``[0, position)``); False if it did not fit."""
+        if position < self.min_tokens:
+            return False
+        key = keys.key(position)
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return True
+        if not self._free and not self._evict_one():
+            return False
+        while self.bytes_used() + self.arena.bytes_each() > self.budget:
+            if not self._evict_one():
+                return False
+        pt = self.layout.page_tokens
+        table = self.pages.table(slot)
+        full = position // pt
+        tail = position % pt != 0
+        if len(table) < full + tail:
+            raise RuntimeError(f"snapshot at {position}: slot {slot} holds only {len(table)} pages")
+        index = self._free.pop()
+        self.arena.save(self.state, slot, table[full] if tail else None, index)
+        snap = Snapshot(key=key, anchor=keys.anchor(position), position=position, pages=tuple(table[:full]),
+                        tail=tail, index=index)
+        self.pages.hold(snap.pages)
+        for p in snap.pages:
+            self._holds[p] = self._holds.get(p, 0) + 1
+        self._lru[key] = snap
+        self._by_anchor.setdefault(snap.anchor, {})[key] = snap
+        self.stats.stored += 1
+        return True
+
+    # ---- eviction ------------------------------------------------------------------------------
+    def _evict_one(self) -> bool:
+        victim = next((s for s in self._lru.values() if s.pins == 0), None)
+        if victim is None:
+            return False
+        self._remove(victim)
+        self.stats.evictions += 1
+        return True
+
+    def _remove(self, snap: Snapshot) -> None:
+        del self._lru[snap.key]
+        by = self._by_anchor[snap.anchor]
+        del by[snap.key]
+        if not by:
+            del self._by_anchor[snap.anchor]
+        self.pages.unhold(snap.pages)
+        for p in snap.pages:
+            self._holds[p] -= 1
+            if not self._holds[p]:
+                del self._holds[p]
+        self._free.append(snap.index)
+
+    def make_room(self, n_pages: int) -> bool:
+        """Evict unpinned snapshots until ``n_pages`` pages are free; False if even that is short."""
+        while self.pages.free_pages < n_pages:
+            if not self._evict_one():
+                return False
+        return True
+
+    def trim(self) -> None:
+        """Back under the budget (pages become cache-only when the requests using them end)."""
+        while self.bytes_used() > self.budget and self._evict_one():
+            pass
+
+    def reset(self) -> int:
+        """Drop every snapshot no live request pins; returns how many were dropped."""
+        victims = [s for s in self._lru.values() if s.pins == 0]
+        for s in victims:
+            self._remove(s)
+        return len(victims)
+
+    def pin(self, snap: Snapshot) -> None:
+        snap.pins += 1
+
+    def unpin(self, snap: Snapshot) -> None:
+        if snap.pins <= 0:
+            raise RuntimeError("prefix snapshot unpinned more often than pinned")
+        snap.pins -= 1
+
+    def holds(self) -> dict[int, int]:
+        return dict(self._holds)
+
+    def problems(self) -> list[str]:
+        out = []
+        if len(self._free) + len(self._lru) != self.arena.n:
+            out.append(f"arena entries: {len(self._free)} free + {len(self._lru)} used != {self.arena.n}")
+        pinned = [s.position for s in self._lru.values() if s.pins]
+        if pinned:
+            out.append(f"snapshots still pinned at positions {pinned[:8]}")
+        return out

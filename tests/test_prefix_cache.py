@@ -1,0 +1,176 @@
+"""Prefix caching (issue 14): a hit computes exactly what a cold run cut at the same point computes.
+
+Checked on checkpoint A (fp32): a hit at an interval point is bit-identical (tokens and logprobs) to a
+cold run after a reset (the same cuts); every hit equals the cache-off engine token for token and
+within the chunked-prefill tolerance in logprobs (DESIGN §6); under concurrency 16 with pools small
+enough to force evictions, suspends and drops; images under a hit are not re-encoded. No page,
+snapshot or refcount is left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4serve.engine.sampling import SamplingParams
+from model_helpers import random_ids
+
+LOGPROB_TOL = 1e-4  # DESIGN §6: chunked prefill's tolerance
+
+
+def _params(n: int, seed: int | None = None) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2)
+    return SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True, logprobs=2)
+
+
+def _run(core, prompts, params, every: int = 0, **kw):
+    """Requests arrive ``every`` steps apart (0: all at once); returns them when all are done."""
+    reqs = [core.make_request(p, q, **kw) for p, q in zip(prompts, params)]
+    pending, step = list(reqs), 0
+    while pending or core.has_work:
+        while pending and step >= every * (len(reqs) - len(pending)):
+            core.add(pending.pop(0))
+        core.step()
+        step += 1
+    assert core.leaks() == "", core.leaks()
+    return reqs
+
+
+def _logprobs(req) -> list[float]:
+    return [lp[0] for lp in req.output_logprobs]
+
+
+def _close(a, b) -> None:
+    assert a.output_ids == b.output_ids
+    diff = max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b)))
+    assert diff <= LOGPROB_TOL, diff
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return random_ids(300, 1000, seed=11)
+
+
+def test_a_hit_is_the_cold_run_cut_at_that_point(llm_factory, shared):
+    """Two prompts sharing 300 tokens: the second hits at the interval point 256 and computes exactly
+    (bit for bit) what it computes cold after a reset, and what the cache-off engine computes."""
+    core = llm_factory("A", max_seqs=4).core
+    core.reset_prefix_cache()
+    p1, p2 = shared + random_ids(40, 1000, seed=12), shared + random_ids(50, 1000, seed=13)
+    first, hit = _run(core, [p1], [_params(12)])[0], _run(core, [p2], [_params(12)])[0]
+    assert first.cached_tokens == 0 and hit.cached_tokens == 256
+    assert core.reset_prefix_cache() > 0 and core.cache.state.pages.used_pages == 0
+    cold = _run(core, [p2], [_params(12)])[0]
+    assert cold.cached_tokens == 0
+    assert hit.output_ids == cold.output_ids and _logprobs(hit) == _logprobs(cold)
+    off = _run(llm_factory("A", max_seqs=4, enable_prefix_caching=False).core, [p2], [_params(12)])[0]
+    _close(hit, off)
+
+
+def test_the_next_turn_hits_the_end_of_the_output(llm_factory, shared):
+    """Turn 2 resends turn 1's prompt and answer: it hits where turn 1 stopped computing."""
+    core = llm_factory("A", max_seqs=4).core
+    core.reset_prefix_cache()
+    p1 = shared[:120]
+    t1 = _run(core, [p1], [_params(20, seed=5)])[0]
+    p2 = p1 + t1.output_ids + random_ids(30, 1000, seed=14)
+    t2 = _run(core, [p2], [_params(15, seed=6)])[0]
+    assert t2.cached_tokens == len(p1) + len(t1.output_ids) - 1
+    off = _run(llm_factory("A", max_seqs=4, enable_prefix_caching=False).core, [p2], [_params(15, seed=6)])[0]
+    _close(t2, off)
+
+
+def test_a_cache_point_makes_the_end_of_the_user_turn_reusable(llm_factory, shared):
+    """DS4 thinking mode drops the last prompt token's successor from the next turn: the server asks for
+    a snapshot one token before the end of the prompt, and the next turn hits exactly there."""
+    core = llm_factory("A", max_seqs=4).core
+    core.reset_prefix_cache()
+    p1 = shared[:150]
+    _run(core, [p1], [_params(4)], cache_points=(len(p1) - 1,))
+    p2 = p1[:-1] + random_ids(20, 1000, seed=15)
+    t2 = _run(core, [p2], [_params(6)])[0]
+    assert t2.cached_tokens == len(p1) - 1
+
+
+def test_hits_are_salted(llm_factory, shared):
+    core = llm_factory("A", max_seqs=4).core
+    core.reset_prefix_cache()
+    prompt = shared + [5, 6, 7]
+    _run(core, [prompt], [_params(3)], cache_salt="alice")
+    assert _run(core, [prompt], [_params(3)], cache_salt="bob")[0].cached_tokens == 0
+    assert _run(core, [prompt], [_params(3)], cache_salt="alice")[0].cached_tokens >= 256
+
+
+def _groups():
+    """16 prompts in four families sharing 260-330 tokens, plus one continuation of each family."""
+    prompts = []
+    for g in range(4):
+        stem = random_ids(260 + 23 * g, 1000, seed=100 + g)
+        prompts += [stem + random_ids(10 + 7 * i, 1000, seed=200 + 10 * g + i) for i in range(4)]
+    return prompts
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_sixteen_concurrent_with_tiny_pools(seeded, llm_factory):
+    """Concurrency 16 over a pool of ~3 prompts and a host budget that forces drops: hits, evictions,
+    suspends and recomputes all happen, and every output equals the cache-off solo run."""
+    prompts = _groups()
+    params = [_params(8 + i % 5, seed=300 + i if seeded else None) for i in range(16)]
+    solo_core = llm_factory("A", max_seqs=1, enable_prefix_caching=False).core
+    solo = [_run(solo_core, [p], [q])[0] for p, q in zip(prompts, params)]
+    core = llm_factory("A", max_seqs=16, kv_budget=640, host_budget="150KB", step_tokens=64,
+                       max_prefill_tokens=128, prefix_cache_budget="2MB").core
+    core.reset_prefix_cache()
+    before = dict(core.scheduler.stats)
+    got = _run(core, prompts, params, every=2)
+    stats = {k: v - before.get(k, 0) for k, v in core.scheduler.stats.items()}
+    prefix = core.prefix_stats()
+    assert stats["preempt_suspend"] > 0 and stats["preempt_drop"] > 0, stats
+    assert sum(r.cached_tokens > 0 for r in got) >= 4, [r.cached_tokens for r in got]
+    assert prefix["evictions"] > 0, prefix
+    for i, (a, b) in enumerate(zip(got, solo)):
+        assert a.output_ids == b.output_ids, f"request {i} differs (cached {a.cached_tokens})"
+        _close(a, b)
+    assert core.cache.host_used == 0
+    core.reset_prefix_cache()
+    assert core.cache.state.pages.used_pages == 0 and core.prefix_stats()["snapshots"] == 0
+
+
+def _image_chat(core, tok, question: str):
+    from ds4serve.chat import render_chat
+    from ds4serve.multimodal.pipeline import ImagePipeline
+    from image_helpers import image_url
+
+    text = "Look at this picture carefully and remember every shape in it. " * 5
+    parts = [{"type": "image_url", "image_url": {"url": image_url(3)}}, {"type": "text", "text": text + question}]
+    prepared = ImagePipeline.for_engine(core, tok).prepare(render_chat(tok, [{"role": "user", "content": parts}]))
+    return prepared.ids, prepared.images
+
+
+def test_an_image_under_a_hit_is_not_encoded_again(random_ckpt):
+    """The second question about the same picture hits past its block: the encoder is skipped, the
+    answer equals the cache-off engine's, and a drop-and-recompute comes back through the pinned hit."""
+    from ds4serve.chat import Tokenizer
+    from ds4serve.llm import LLM
+
+    tok = Tokenizer(random_ckpt)
+    core = LLM(random_ckpt, max_seqs=4).core
+    off = LLM(random_ckpt, max_seqs=4, enable_prefix_caching=False).core
+    first = _image_chat(core, tok, "What colour is the circle?")
+    second = _image_chat(core, tok, "How many shapes are there?")
+    assert first[1][0].span.end < 256 < len(second[0])
+    _run(core, [first[0]], [_params(6)], images=first[1])
+    encoded = core.encoder.encoded
+    hit = _run(core, [second[0]], [_params(6)], images=second[1])[0]
+    assert hit.cached_tokens >= 256 and core.encoder.encoded == encoded
+    cold = _run(off, [second[0]], [_params(6)], images=second[1])[0]
+    _close(hit, cold)
+    # a hit request whose image was skipped is still recomputable: it pins the snapshot it came from
+    req = core.make_request(second[0], _params(6), images=second[1])
+    core.add(req)
+    core.step()
+    assert req.first_image == 1 and req.prefix.pinned is not None and core.scheduler.recomputable(req)
+    core.reset_prefix_cache()  # cannot drop the pinned snapshot
+    assert req.prefix.pinned.key in {s.key for s in core.cache.prefix._lru.values()}
+    core.run_until_idle()
+    assert core.leaks() == "" and req.output_ids == hit.output_ids
