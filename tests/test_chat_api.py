@@ -73,7 +73,7 @@ def scripted(server, ids: list[int], chunk: int = 3, reason: str = "stop"):
     """Every request submitted meanwhile produces ``ids`` (the real server code reads them)."""
     loop = server.state.loop
 
-    async def submit(prompt, params, request_id, images=None, constraint=None):
+    async def submit(prompt, params, request_id, images=None, constraint=None, cache_salt="", cache_points=()):
         return _Scripted(ids, chunk, reason, params.logprobs is not None)
 
     loop.submit = submit

@@ -75,9 +75,10 @@ def access():
 
 
 def _metrics(srv) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} from /metrics."""
+    """{(sample name, sorted labels): value} from /metrics; an empty label (``key_name=""`` on a
+    server without API keys) is left out, as Prometheus itself stores it."""
     text = httpx.get(srv.base + "/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

@@ -9,8 +9,9 @@ Every request gets an id: the client's ``x-request-id`` when it is a sane token 
 most 256 characters), otherwise one made here (``req-<hex>``). It is sent back as ``x-request-id`` on
 every response (the 500 handler adds it itself, being outside this layer) and names the request in
 every log line about it. The route handlers fill the request's :class:`RequestRecord` (tokens, first
-token time, finish reasons, error, cancellation); this layer times it, logs it and counts errors and
-cancellations in the Prometheus metrics.
+token time, finish reasons, error, cancellation, cached prompt tokens) and the auth layer its API
+key's name (never the key); this layer times it, logs it and counts errors and cancellations in the
+Prometheus metrics, by key name.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class RequestRecord:
     finish: dict[int, str] = field(default_factory=dict)  # choice index -> finish reason
     error: str | None = None
     cancelled: str | None = None  # why it stopped early: "client_disconnect" | "timeout" | "server_shutdown"
+    key_name: str = ""  # the name of the API key it came with (middleware.Auth); never the key itself
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (summed over prompts)
 
     def note_error(self, err: APIError) -> None:
         self.error = f"{err.code or err.type}: {err.message}"
@@ -72,7 +75,8 @@ class RequestRecord:
         reasons = sorted(set(self.finish.values()))
         ttft = None if self.first_token_at is None else round(1e3 * (self.first_token_at - self.start), 1)
         return {"request_id": self.request_id, "method": self.method, "path": self.path, "status": self.status,
-                "prompt_tokens": self.prompt_tokens,
+                "key_name": self.key_name or None, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens if self.prompt_tokens is not None else None,
                 "ttft_ms": ttft, "duration_ms": round(1e3 * (now - self.start), 1),
                 "finish": ",".join(reasons) if reasons else None, "cancelled": self.cancelled,
@@ -154,9 +158,9 @@ class AccessLog:
             rec.status = 499
         status = rec.status
         if rec.cancelled is not None:
-            self.metrics.cancellations.labels(rec.cancelled).inc()
+            self.metrics.cancellations.labels(rec.key_name, rec.cancelled).inc()
         if status >= 400 and status != 499:  # 499 is no answer: the client had already left
-            self.metrics.error_responses.labels(str(status)).inc()
+            self.metrics.error_responses.labels(rec.key_name, str(status)).inc()
         f = rec.fields(time.monotonic())
         level = logging.DEBUG if rec.path in QUIET_PATHS and status < 400 else logging.INFO
         log.log(level, "%s", format_line(f), extra={"access": f, "request_id": rec.request_id})

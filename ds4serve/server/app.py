@@ -42,7 +42,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.openapi = lambda: custom_openapi(app)
     # the last added is the outermost: the access log sees the 401s and 413s of the layers inside it
     app.add_middleware(BodyLimit, limit=state.limits.max_body_bytes)
-    app.add_middleware(Auth, api_key=state.api_key)
+    app.add_middleware(Auth, keys=state.keys)
     app.add_middleware(AccessLog, metrics=state.metrics)
     install_error_handlers(app)
     install_routes(app)

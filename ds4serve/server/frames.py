@@ -31,12 +31,16 @@ class Event:
     deltas: tuple[ChatEvent, ...] = ()  # a chat choice's parsed output events (its ``text`` stays "")
     completion: int = 0  # the choice's completion tokens so far
     reasoning_tokens: int = 0  # of those, tokens of reasoning (chat, thinking mode)
+    cached: int = 0  # the choice's prompt tokens served from the prefix cache
 
 
 def usage_of(job: Job, completion: list[int], reasoning: list[int]) -> dict:
-    """The ``usage`` object; chat answers also count their reasoning tokens."""
+    """The ``usage`` object: OpenAI's ``prompt_tokens_details.cached_tokens`` (prompt tokens whose state
+    came from the prefix cache, ``Job.cached_tokens``) on every one; chat answers also count their
+    reasoning tokens."""
     usage = {"prompt_tokens": sum(len(p) for p in job.prompts), "completion_tokens": sum(completion)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens()}
     if job.kind == "chat":
         usage["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
     return usage

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 import uvicorn
@@ -62,11 +63,13 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, *, api_key: str | None = None, settings: dict | None = None,
-          limits: dict | None = None, name: str = "tiny", random_weights: bool = True):
+def serve(model_dir: Path, *, api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
+          settings: dict | None = None, limits: dict | None = None, name: str = "tiny", random_weights: bool = True):
+    """A started server on a free loopback port for the ``with`` block. ``api_key``: one key (named
+    ``key-1``); ``api_keys``: several, ``{name: key}``."""
     s = EngineSettings(**({"max_seqs": 8, "max_model_len": 1024, "warmup": False} | (settings or {})))
     state = build_state(model_dir, settings=s, limits=ServerLimits(**(limits or {})), api_key=api_key,
-                        served_name=name, random_weights=random_weights)
+                        api_keys=api_keys, served_name=name, random_weights=random_weights)
     srv = RunningServer(state, free_port()).start()
     try:
         yield srv

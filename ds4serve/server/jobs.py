@@ -18,6 +18,7 @@ from ..multimodal.records import ImageInput
 from ..runtime import RequestStream, SamplingError, SamplingParams
 from . import constrained
 from .chat_request import ChatSetup, chat_setup, check_generation
+from .keys import tenant_salt
 from .protocol import (APIError, ChatCompletionRequest, ChatControls, ChatMessage, CompletionRequest, SamplingFields,
                        check_extra_fields)
 from .state import ServerState
@@ -49,11 +50,28 @@ class Job:
     record: RequestRecord | None = None  # the request's access-log record (None outside HTTP)
     cancelled: str | None = None  # why the server stopped it early, once it has
     finished_choices: int = 0  # choices whose finish reason the consumer has seen
+    key_name: str = ""  # the API key's name ("" without keys): the metrics label and the salt's tenant part
+    cache_salt: str = ""  # the prefix-cache salt handed to the engine (keys.tenant_salt)
+    cache_points: tuple[int, ...] = ()  # extra prefix-snapshot positions (chat in thinking mode)
+    cached: list[int] = field(default_factory=list)  # per choice: prompt tokens from the prefix cache
 
     @property
     def log_id(self) -> str:
         """The id that names this request in log lines: its HTTP request id when it has one."""
         return self.record.request_id if self.record is not None else self.request_id
+
+    def note_cached(self, index: int, tokens: int) -> None:
+        """Choice ``index`` got ``tokens`` of its prompt from the prefix cache (every output says it)."""
+        if not self.cached:
+            self.cached = [0] * len(self.params)
+        self.cached[index] = tokens
+
+    def cached_tokens(self) -> int:
+        """``usage.prompt_tokens_details.cached_tokens``: per prompt, the least its choices got from the
+        cache (usage counts a prompt once however many choices ran it, so this never exceeds it)."""
+        if not self.cached:
+            return 0
+        return sum(min(self.cached[p * self.n:(p + 1) * self.n]) for p in range(len(self.prompts)))
 
 
 def new_request_id(kind: str) -> str:
@@ -118,7 +136,8 @@ def chat_setup_of(state: ServerState, body: ChatControls, messages: list[dict]) 
     return chat_setup(body, messages, state.limits.default_thinking == "on")
 
 
-async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> Job:
+async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id: str, key_name: str = "") -> Job:
+    """``key_name``: the API key's name, whose prefix-cache entries alone this request may reuse."""
     check_extra_fields(body, "chat.completions")
     _check_model(state, body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -137,7 +156,19 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id
     grammars = await state.run_blocking(constrained.matchers, state, setup, spec, body.n, budget)
     return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
                body.stream, _include_usage(body), time.monotonic(), images=images, chat=setup,
-               continuous_usage=continuous, constraints=grammars)
+               continuous_usage=continuous, constraints=grammars, key_name=key_name,
+               cache_salt=tenant_salt(key_name, body.cache_salt), cache_points=user_turn_end(state, setup, prompt))
+
+
+def user_turn_end(state: ServerState, setup: ChatSetup, prompt: list[int]) -> tuple[int, ...]:
+    """In thinking mode the prompt ends ``<｜Assistant｜><think>``, but the next turn renders this
+    answer with its reasoning dropped (``<｜Assistant｜></think>answer``), so the two prompts part just
+    before the ``<think>``. A snapshot there (``len - 1``) lets the next turn reuse everything up to
+    the end of this user turn; the snapshot at the prompt's end would never match it."""
+    think = state.tokenizer.think_id
+    if setup.options.thinking and think is not None and len(prompt) > 1 and prompt[-1] == think:
+        return (len(prompt) - 1,)
+    return ()
 
 
 def render_prompt(state: ServerState, setup: ChatSetup) -> DS4Prompt:
@@ -159,7 +190,9 @@ def prompt_ids(state: ServerState, setup: ChatSetup) -> tuple[list[int], list[Im
     return prepared.ids, prepared.images or None
 
 
-async def build_completion(state: ServerState, body: CompletionRequest, request_id: str) -> Job:
+async def build_completion(state: ServerState, body: CompletionRequest, request_id: str,
+                           key_name: str = "") -> Job:
+    """``key_name``: as for ``build_chat``."""
     check_extra_fields(body, "completions")
     _check_model(state, body)
     if body.echo:
@@ -176,7 +209,8 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
     logprobs = body.logprobs
     params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for _ in prompts for i in range(body.n)]
     return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
-               logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body))
+               logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body),
+               key_name=key_name, cache_salt=tenant_salt(key_name, body.cache_salt))
 
 
 def completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:

@@ -1,13 +1,14 @@
 """``ds4serve serve``: load the model, start the engine loop, run uvicorn with a graceful shutdown.
 
-Binding policy: loopback by default; any other address needs ``--api-key`` (or an explicit
-``--insecure-no-auth``). On SIGINT/SIGTERM every waiting client is answered (an error saying the
-server is shutting down) before connections close.
+Binding policy: loopback by default; any other address needs an API key (``--api-key`` /
+``--api-key-file``, or an explicit ``--insecure-no-auth``). On SIGINT/SIGTERM every waiting client
+is answered (an error saying the server is shutting down) before connections close.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import uvicorn
@@ -28,7 +29,8 @@ class BindError(ValueError):
     pass
 
 
-def check_binding(host: str, api_key: str | None, insecure: bool) -> None:
+def check_binding(host: str, api_key: str | Mapping[str, str] | None, insecure: bool) -> None:
+    """``api_key``: the key, or the named keys; any key at all allows a non-loopback address."""
     if host not in LOOPBACK and not api_key and not insecure:
         raise BindError(f"refusing to listen on {host} without authentication: pass --api-key KEY "
                         "(or --insecure-no-auth if the network is trusted)")
@@ -36,7 +38,8 @@ def check_binding(host: str, api_key: str | None, insecure: bool) -> None:
 
 def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 settings: EngineSettings | None = None, limits: ServerLimits | None = None,
-                api_key: str | None = None, served_name: str | None = None,
+                api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
+                served_name: str | None = None,
                 random_weights: bool = False, vision_device: str | None = None,
                 image_hosts: tuple[str, ...] = ()) -> ServerState:
     tokenizer = Tokenizer(model_dir)
@@ -44,7 +47,7 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                      extra_eos=(tokenizer.eos_id,))
     name = served_name or model_dir.name
     state = ServerState(loop=EngineLoop(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
-                        api_key=api_key, random_weights=random_weights)
+                        api_key=api_key, api_keys=api_keys, random_weights=random_weights)
     if core.cfg.vision.enabled:
         from ..multimodal.fetch import FetchPolicy  # noqa: PLC0415 - only for vision checkpoints
         from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415

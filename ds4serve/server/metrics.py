@@ -6,7 +6,12 @@ scrape never touches scheduler state from another thread. Latency histograms are
 request handlers on the event loop; error and cancellation counters by the access-log middleware.
 
 Every series carries a ``model_name`` label (the served name), so dashboards that scrape several
-servers, or compare against vLLM's metrics, can tell them apart.
+servers, or compare against vLLM's metrics, can tell them apart. The per-request counters (tokens,
+outcomes, errors, cancellations, rejections) also carry ``key_name``: the configured name of the API
+key the request came with, so its cardinality is the number of configured keys (never a key, never
+anything a client chose). Prometheus stores an empty label as no label, so a server without keys
+exports the same series as before the label existed. The prefix cache's figures come from
+``core.prefix_stats()`` in the same engine-thread snapshot.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 DECODE_WIDTH_WINDOW = 64  # decode steps averaged by ds4serve_decode_width
+KEY_NOTE = ("; key_name: the API key's configured name (empty on a server without keys, or for a request "
+            "refused before a key matched)")
 
 _GAUGES = {  # name: (help, snapshot key)
     "ds4serve_queue_depth": ("requests waiting for a slot", "waiting"),
@@ -40,6 +47,22 @@ _COUNTERS = {  # name (without _total): (help, snapshot key)
     "ds4serve_decode_steps": ("engine steps that decoded at least one row", "decode_steps"),
     "ds4serve_decode_rows": ("rows decoded (one token each), summed over steps", "decode_rows"),
     "ds4serve_prefill_rows": ("prefill rows run in pass slices, summed over steps", "prefill_rows"),
+}
+# the prefix cache, from ``core.prefix_stats()`` (all zero when caching is off)
+_PREFIX_GAUGES = {  # name: (help, prefix_stats key)
+    "ds4serve_prefix_cache_enabled": ("1 when the prefix cache is on", "enabled"),
+    "ds4serve_prefix_cache_bytes": ("bytes held by the prefix cache (snapshots and shared pages)", "cached_bytes"),
+    "ds4serve_prefix_cache_budget_bytes": ("the prefix cache's byte budget", "budget_bytes"),
+    "ds4serve_prefix_cache_snapshots": ("prefix snapshots held", "snapshots"),
+    "ds4serve_prefix_cache_pages": ("cache pages held by the prefix cache", "cached_pages"),
+}
+_PREFIX_COUNTERS = {  # name (without _total): (help, prefix_stats key)
+    "ds4serve_prefix_cache_hit_tokens": ("prompt tokens whose state came from the prefix cache", "hit_tokens"),
+    "ds4serve_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache", "queried_tokens"),
+    "ds4serve_prefix_cache_hits": ("prefix-cache lookups that found a cached prefix", "hits"),
+    "ds4serve_prefix_cache_misses": ("prefix-cache lookups that found nothing", "misses"),
+    "ds4serve_prefix_cache_stores": ("prefix snapshots stored", "stored"),
+    "ds4serve_prefix_cache_evictions": ("prefix snapshots evicted (budget or memory pressure)", "evictions"),
 }
 
 
@@ -64,6 +87,19 @@ class _EngineCollector:
         for name, (doc, key) in _COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, s[key])
+            yield c
+        yield from self._prefix(s["prefix"])
+
+    def _prefix(self, p: dict):
+        """The prefix-cache series; a key the core does not report reads 0 (a scrape never fails)."""
+        m = [self.model_name]
+        for name, (doc, key) in _PREFIX_GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(m, float(p.get(key, 0)))
+            yield g
+        for name, (doc, key) in _PREFIX_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, p.get(key, 0))
             yield c
 
 
@@ -121,19 +157,22 @@ class Metrics:
         self.itl = hist("ds4serve_inter_token_latency_seconds", "gap between consecutive tokens of a stream")
         self.e2e = hist("ds4serve_request_latency_seconds", "request arrival to completion")
         self.step_time = hist("ds4serve_step_seconds", "engine step duration")
-        self.prompt_tokens = Counter("ds4serve_prompt_tokens", "prompt tokens admitted (after template and image "
-                                     "expansion)", lab, registry=r).labels(m)
-        self.generation_tokens = Counter("ds4serve_generation_tokens", "tokens generated", lab, registry=r).labels(m)
-        self.requests = _Bound(Counter("ds4serve_requests", "finished requests by outcome", [*lab, "outcome"],
-                                       registry=r), m)
-        self.rejections = _Bound(Counter("ds4serve_rejections", "requests refused by the engine before admission, "
-                                         "by reason", [*lab, "reason"], registry=r), m)
-        self.error_responses = _Bound(Counter("ds4serve_error_responses", "HTTP requests answered with an error "
-                                              "status (4xx refusals, 5xx failures), by status", [*lab, "status"],
-                                              registry=r), m)
-        self.cancellations = _Bound(Counter("ds4serve_cancellations", "requests stopped before their end, by reason "
-                                            "(client_disconnect, timeout, server_shutdown)", [*lab, "reason"],
-                                            registry=r), m)
+        def per_key(name: str, doc: str, *extra: str) -> _Bound:
+            return _Bound(Counter(name, doc + KEY_NOTE, [*lab, "key_name", *extra], registry=r), m)
+
+        # per-request counters, by API key name: .labels(key_name, ...) ("" without keys)
+        self.prompt_tokens = per_key("ds4serve_prompt_tokens", "prompt tokens admitted (after template and image "
+                                     "expansion)")
+        self.cached_tokens = per_key("ds4serve_prompt_cached_tokens", "prompt tokens served from the prefix cache, "
+                                     "counted per engine request (each of n choices is one)")
+        self.generation_tokens = per_key("ds4serve_generation_tokens", "tokens generated")
+        self.requests = per_key("ds4serve_requests", "finished requests by outcome", "outcome")
+        self.rejections = per_key("ds4serve_rejections", "requests refused by the engine before admission, by "
+                                  "reason", "reason")
+        self.error_responses = per_key("ds4serve_error_responses", "HTTP requests answered with an error status "
+                                       "(4xx refusals, 5xx failures), by status", "status")
+        self.cancellations = per_key("ds4serve_cancellations", "requests stopped before their end, by reason "
+                                     "(client_disconnect, timeout, server_shutdown)", "reason")
 
     def on_step(self, core, outputs, elapsed: float) -> None:
         """Engine-loop thread: count the new steps' rows and refresh the engine snapshot."""
@@ -161,5 +200,5 @@ def snapshot(core, steps: int = 0, tally: _StepTally | None = None) -> dict:
         "pages_in_use": cache.state.pages.used_pages, "pages_total": cache.state.n_pages,
         "host_used": cache.host_used, "stats": dict(core.scheduler.stats), "steps": steps, "at": time.time(),
         "decode_width": tally.width, "decode_steps": tally.decode_steps, "decode_rows": tally.decode_rows,
-        "prefill_rows": tally.prefill_rows,
+        "prefill_rows": tally.prefill_rows, "prefix": dict(core.prefix_stats()),
     }

@@ -1,13 +1,14 @@
-"""ASGI middleware: the body-size limit and the API key (both answer before FastAPI parses anything)."""
+"""ASGI middleware: the body-size limit and the API keys (both answer before FastAPI parses anything)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import Request
 
+from .access_log import record_of
 from .errors import send_error
+from .keys import ApiKeys
 from .protocol import APIError
 
 
@@ -46,26 +47,41 @@ class _TooLarge(Exception):
     pass
 
 
-GUARDED = frozenset({"/metrics", "/tokenize", "/detokenize", "/apply-template"})
+GUARDED = frozenset({"/metrics", "/tokenize", "/detokenize", "/apply-template", "/reset_prefix_cache"})
+KEY_SCOPE = "ds4serve.key_name"
 
 
 class Auth:
-    """The API key guards ``/v1/*``, ``/metrics`` and the tokenizer endpoints (``/health`` stays open)."""
+    """The API keys guard ``/v1/*``, ``/metrics``, the tokenizer endpoints and ``/reset_prefix_cache``
+    (``/health`` and the chat page stay open). The matching key's *name* is put in the scope
+    (``key_name_of``) and on the access-log record, where the routes, the log line and the metrics
+    read it; the key itself goes no further than this layer."""
 
-    def __init__(self, app: Any, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: Any, keys: ApiKeys):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.api_key and (path.startswith("/v1/") or path in GUARDED):
-            if not _authorized(Request(scope), self.api_key):
+        if scope["type"] == "http" and self.keys and (path.startswith("/v1/") or path in GUARDED):
+            name = self.keys.match(_token(Request(scope)))
+            if name is None:
                 return await send_error(scope, send, APIError(
                     401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                     type_="invalid_request_error", code="invalid_api_key"))
+            scope[KEY_SCOPE] = name
+            rec = record_of(scope)
+            if rec is not None:
+                rec.key_name = name
         return await self.app(scope, receive, send)
 
 
-def _authorized(request: Request, key: str) -> bool:
+def _token(request: Request) -> str:
+    """The offered key: ``Authorization: Bearer KEY`` (OpenAI's form) or ``x-api-key: KEY``."""
     header = request.headers.get("authorization", "")
-    token = header[7:] if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode("utf-8"))
+    return header[7:] if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+
+
+def key_name_of(scope_or_request: Any) -> str:
+    """The name of the key a request came with ("" on a server without keys, or an open route)."""
+    scope = getattr(scope_or_request, "scope", scope_or_request)
+    return scope.get(KEY_SCOPE, "")

@@ -22,7 +22,7 @@ _ERRORS = {"400": "invalid request (OpenAI error body)", "401": "missing or wron
 
 # the errors of the non-generating routes (a generation route also answers 503 / 504)
 _PLAIN_ERRORS = {**dict.fromkeys(("/tokenize", "/detokenize", "/apply-template"), ("400", "404", "413", "500")),
-                 "/v1/models/{model_id}": ("404",)}
+                 "/v1/models/{model_id}": ("404",), "/reset_prefix_cache": ("500", "503")}
 
 _REQUEST_ID = {"description": "the request's id: the client's x-request-id when it is visible ASCII of at most 256 "
                               "characters, else one made by the server; it names the request in the server's logs",

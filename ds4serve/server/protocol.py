@@ -27,6 +27,7 @@ MAX_STOPS = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 512
 MAX_TEXT_CHARS = 1_000_000
+MAX_CACHE_SALT = 256
 
 
 class APIError(Exception):
@@ -141,6 +142,8 @@ class SamplingFields(ValidUnicode):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     skip_special_tokens: bool = True
+    # vLLM's prefix-cache salt: requests reuse cached prompt state only within one salt (and one API key)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
 
     @field_validator("stop")
     @classmethod

@@ -10,7 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .jobs import build_chat, build_completion, new_request_id
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .middleware import key_name_of
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .serving import respond
 from .state import state_of
 from .tokenize import apply_template, detokenize, model, model_card, tokenize
@@ -32,12 +33,29 @@ async def models(request: Request) -> dict:
 
 async def chat(body: ChatCompletionRequest, request: Request) -> Response | dict:
     state = state_of(request)
-    return await respond(state, await build_chat(state, body, new_request_id("chat")), request)
+    job = await build_chat(state, body, new_request_id("chat"), key_name_of(request))
+    return await respond(state, job, request)
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response | dict:
     state = state_of(request)
-    return await respond(state, await build_completion(state, body, new_request_id("completion")), request)
+    job = await build_completion(state, body, new_request_id("completion"), key_name_of(request))
+    return await respond(state, job, request)
+
+
+async def reset_prefix_cache(request: Request) -> dict:
+    """Drop every prefix-cache snapshot (vLLM's route; behind the API key: it costs every tenant
+    their hits). Runs on the engine thread between steps; snapshots that running requests still hold
+    are the core's to keep."""
+    state = state_of(request)
+    if not state.loop.alive:
+        raise APIError(503, "the engine is not available", type_="server_error", code="engine_unavailable")
+    dropped = await state.run_blocking(state.loop.call, _reset)
+    return {"reset": True, "snapshots_dropped": dropped}
+
+
+def _reset(core) -> int:
+    return core.reset_prefix_cache()
 
 
 def install_routes(app: FastAPI) -> None:
@@ -49,6 +67,7 @@ def install_routes(app: FastAPI) -> None:
               ("POST", "/detokenize", detokenize, "token ids -> text (vLLM's shape)"),
               ("POST", "/apply-template", apply_template, "messages -> the rendered DS4 prompt (llama.cpp's shape)"),
               ("POST", "/v1/chat/completions", chat, "chat completions (streaming or not)"),
-              ("POST", "/v1/completions", completions, "text completions (streaming or not)")]
+              ("POST", "/v1/completions", completions, "text completions (streaming or not)"),
+              ("POST", "/reset_prefix_cache", reset_prefix_cache, "drop every prefix-cache snapshot (vLLM's route)")]
     for method, path, fn, summary in routes:
         app.add_api_route(path, fn, methods=[method], summary=summary, response_model=None)

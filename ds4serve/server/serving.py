@@ -52,7 +52,9 @@ class ChoiceStream:
         self.prompt_len = prompt_len
         self.completion = 0
         self.arrival = job.arrival
+        self.key_name = job.key_name
         self.last_token_at: float | None = None
+        self.cached: int | None = None  # prompt tokens from the prefix cache, once the first output says
 
     def feed(self, out: RequestOutput) -> Event:
         self._observe(out)
@@ -70,25 +72,30 @@ class ChoiceStream:
                 finish = self.chat.finish_reason(finish)
             return Event(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
                          (self.prompt_len, self.completion) if finish else None, deltas, self.completion,
-                         self.chat.reasoning_tokens)
+                         self.chat.reasoning_tokens, cached=out.cached_tokens)
         text = self.stops.feed(self.detok.push(ids))
         if self.stops.stopped:
             finish = "stop"
         elif finish is not None:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
         return Event(self.index, text, tuple(out.new_token_ids), lps, finish, out.error,
-                     (self.prompt_len, self.completion) if finish else None, completion=self.completion)
+                     (self.prompt_len, self.completion) if finish else None, completion=self.completion,
+                     cached=out.cached_tokens)
 
     def _observe(self, out: RequestOutput) -> None:
+        m = self.state.metrics
+        if self.cached is None:  # fixed at admission and carried by every output: counted once
+            self.cached = out.cached_tokens
+            m.cached_tokens.labels(self.key_name).inc(out.cached_tokens)
         if not out.new_token_ids:
             return
-        m, now = self.state.metrics, time.monotonic()
+        now = time.monotonic()
         if self.last_token_at is None:
             m.ttft.observe(now - self.arrival)
         else:
             m.itl.observe(now - self.last_token_at)
         self.last_token_at = now
-        m.generation_tokens.inc(len(out.new_token_ids))
+        m.generation_tokens.labels(self.key_name).inc(len(out.new_token_ids))
 
     def _logprobs(self, out: RequestOutput, hidden: Collection[int]) -> list[dict]:
         """Entries of the new tokens, except the end-of-sequence token that ended the output (``hidden``):
@@ -129,26 +136,27 @@ async def admit(state: ServerState, job: Job) -> None:
         for idx, (p, params) in enumerate(zip(prompts, job.params)):
             grammar = job.constraints[idx] if job.constraints else None
             job.streams.append(await state.loop.submit(p, params, f"{job.request_id}-{idx}", images=job.images,
-                                                       constraint=grammar))
+                                                       constraint=grammar, cache_salt=job.cache_salt,
+                                                       cache_points=job.cache_points))
     except BaseException as exc:
         for st in job.streams:
             await st.aclose()
         job.streams.clear()
-        _refusal(state, exc)
+        _refusal(state, job, exc)
         raise
     for p in job.prompts:
-        state.metrics.prompt_tokens.inc(len(p))
+        state.metrics.prompt_tokens.labels(job.key_name).inc(len(p))
     if job.record is not None:
         job.record.prompt_tokens = sum(len(p) for p in job.prompts)
 
 
-def _refusal(state: ServerState, exc: BaseException) -> None:
+def _refusal(state: ServerState, job: Job, exc: BaseException) -> None:
     """Turn an engine refusal into the HTTP error the client should see (other errors pass)."""
     if isinstance(exc, RequestTooLarge):
-        state.metrics.rejections.labels("too_large").inc()
+        state.metrics.rejections.labels(job.key_name, "too_large").inc()
         raise APIError(400, str(exc), param="max_tokens", code="context_length_exceeded") from exc
     if isinstance(exc, QueueFull):
-        state.metrics.rejections.labels("queue_full").inc()
+        state.metrics.rejections.labels(job.key_name, "queue_full").inc()
         raise APIError(503, str(exc), type_="server_error", code="server_overloaded",
                        headers={"Retry-After": str(state.limits.retry_after_s)}) from exc
     if isinstance(exc, FatalStepError):
@@ -196,7 +204,7 @@ async def _pump(state: ServerState, job: Job, cs: ChoiceStream, stream: RequestS
             ev = cs.feed(out)
             await queue.put(ev)
             if ev.finish_reason is not None:
-                state.metrics.requests.labels(ev.finish_reason).inc()
+                state.metrics.requests.labels(job.key_name, ev.finish_reason).inc()
                 state.metrics.e2e.observe(time.monotonic() - job.arrival)
                 break
     except (RequestTooLarge, QueueFull, FatalStepError) as exc:
@@ -207,11 +215,14 @@ async def _pump(state: ServerState, job: Job, cs: ChoiceStream, stream: RequestS
 
 
 def _note_event(job: Job, ev: Event) -> None:
-    """Count finished choices; fill the access-log record: first token time, finish reason, tokens."""
+    """Count finished choices and cached prompt tokens; fill the access-log record: first token time,
+    finish reason, tokens, cached tokens."""
     job.finished_choices += ev.finish_reason is not None
+    job.note_cached(ev.index, ev.cached)
     rec = job.record
     if rec is None:
         return
+    rec.cached_tokens = job.cached_tokens()
     if ev.token_ids:
         rec.tokens_out(ev.index, len(ev.token_ids))
     if ev.finish_reason is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,6 +19,7 @@ from fastapi import Request
 
 from ..chat import Tokenizer
 from ..runtime import EngineLoop
+from .keys import ApiKeys
 from .limits import ServerLimits
 from .metrics import Metrics
 from .protocol import APIError
@@ -36,7 +37,10 @@ class ServerState:
     tokenizer: Tokenizer
     model_id: str
     limits: ServerLimits = field(default_factory=ServerLimits)
-    api_key: str | None = None
+    # the keys never show in a repr (logs, tracebacks): one key (named "key-1", the single-key API of
+    # old) or several, {name: key}; not both
+    api_key: str | None = field(default=None, repr=False)
+    api_keys: Mapping[str, str] | None = field(default=None, repr=False)
     random_weights: bool = False
     metrics: Metrics = field(default=None)  # type: ignore[assignment]  # built for model_id when not given
     image_pipeline: ImagePipeline | None = None  # multimodal preprocessing (DS4V); None for text-only models
@@ -44,8 +48,10 @@ class ServerState:
     started: float = field(default_factory=time.time)
     _grammar: Any = field(default=None, repr=False)  # GrammarCompiler, built on first constrained request
     _grammar_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    keys: ApiKeys = field(init=False, repr=False)  # api_key / api_keys as one matcher (middleware.Auth)
 
     def __post_init__(self) -> None:
+        self.keys = ApiKeys.of(self.api_key, self.api_keys)
         if self.metrics is None:
             self.metrics = Metrics(self.model_id)
 
