@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .config import EngineSettings
+from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
@@ -31,6 +32,11 @@ _ENGINE_FLAGS = {
     "--max-queue": ("max_queue", int, "waiting requests before 503"),
     "--decode-graphs": ("decode_graphs", str, "pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
+    "--enable-prefix-caching": ("enable_prefix_caching", bool, "reuse the state of prompt prefixes seen before "
+                                "(vLLM's flag; --no-enable-prefix-caching turns it off)"),
+    "--prefix-cache-budget": ("prefix_cache_budget", str, "memory the prefix cache may keep, in bytes (e.g. "
+                              "256MiB; None: a share of the state pool)"),
+    "--prefix-interval": ("prefix_interval", int, "prompt tokens between prefix-cache snapshots"),
 }
 _SERVER_FLAGS = {
     "--request-timeout": ("request_timeout_s", float, "seconds per request"),
@@ -68,12 +74,22 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
             metavar, extra = "on|off", {"choices": THINKING_MODES}
         else:
             extra = {}
-        if typ is bool:  # a switch: "--no-X" stores False into a field that defaults to True
-            p.add_argument(flag, dest=name, action="store_false" if flag.startswith("--no-") else "store_true",
-                           default=defaults[name], help=text)
+        if typ is bool:
+            _add_switch(p, flag, name, defaults[name], text)
             continue
         p.add_argument(flag, dest=name, type=typ, default=defaults[name], metavar=metavar,
                        help=f"{text} (default: {defaults[name]})", **extra)
+
+
+def _add_switch(p: argparse.ArgumentParser, flag: str, name: str, default: bool, text: str) -> None:
+    """A bool field's flag. "--no-X" only turns a default-on feature off (``--no-webui``); any other
+    name gets both forms, "--X" and "--no-X" (argparse's BooleanOptionalAction, vLLM's convention for
+    ``--enable-prefix-caching``), so a script can state either choice whatever the default."""
+    if flag.startswith("--no-"):
+        p.add_argument(flag, dest=name, action="store_false", default=default, help=text)
+    else:
+        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                       help=f"{text} (default: {'on' if default else 'off'})")
 
 
 def _settings(args: argparse.Namespace, cls: type, table: dict):
@@ -114,8 +130,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="checkpoint directory (default: the bundled tiny model)")
     serve.add_argument("--host", default=os.environ.get("DS4SERVE_HOST", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(os.environ.get("DS4SERVE_PORT", "8000")))
-    serve.add_argument("--api-key", default=os.environ.get("DS4SERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 and /metrics")
+    serve.add_argument("--api-key", action="append", default=None, metavar="[NAME=]KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1, /metrics, the tokenizer routes and "
+                            "/reset_prefix_cache; repeat for several keys; NAME (default key-1, key-2 ...) is "
+                            "what logs and metrics show; a KEY holding '=' needs a NAME (default: "
+                            "$DS4SERVE_API_KEY, when set)")
+    serve.add_argument("--api-key-file", action="append", default=[], metavar="PATH",
+                       help=f"more API keys from a file: {KEYS_FILE_FORMAT} (repeatable)")
     serve.add_argument("--insecure-no-auth", action="store_true",
                        help="allow binding a non-loopback address without an API key")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: directory name)")
@@ -175,19 +196,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
     eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds per stream count (median kept)")
     eng.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there, fp32)")
-    srv = bsub.add_parser("serve", help="load generator for any OpenAI-compatible endpoint (ours or a peer's)")
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL")
-    srv.add_argument("--launch", action="store_true", help="start `ds4serve serve` (bundled model) for the run")
-    srv.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
-    srv.add_argument("--api-key", default=None)
-    srv.add_argument("--concurrency", default="1,4,16", help="comma-separated fixed concurrency levels")
-    srv.add_argument("--rate", default="", help="comma-separated Poisson request rates (req/s) instead")
-    srv.add_argument("--requests", type=int, default=32, help="requests per level")
-    srv.add_argument("--image-fraction", type=float, default=0.25)
-    srv.add_argument("--prompt-words", type=int, default=30)
-    srv.add_argument("--max-tokens", type=int, default=32)
-    srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--out", type=Path, default=Path("bench-out"))
+    _add_bench_serve(bsub)
     peer = bsub.add_parser("peer", help="ds4serve vs transformers (serve and batched generate), same checkpoint")
     peer.add_argument("--concurrency", default="1,4,16")
     peer.add_argument("--requests", type=int, default=32)
@@ -210,6 +219,55 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     gr.add_argument("--batch", type=int, default=16, help="concurrent constrained requests")
     gr.add_argument("--threads", type=int, default=1, help="torch CPU threads for the logit mask")
     gr.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+
+
+def _add_bench_serve(bsub: argparse._SubParsersAction) -> None:
+    """`bench serve`: the load generator's flags (its multi-turn mode's in ``_add_multiturn_flags``)."""
+    srv = bsub.add_parser("serve", help="load generator for any OpenAI-compatible endpoint (ours or a peer's)")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL")
+    srv.add_argument("--launch", action="store_true",
+                     help="start `ds4serve serve` (the bundled model unless --launch-model) for the run")
+    srv.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--concurrency", default="1,4,16", help="comma-separated fixed concurrency levels")
+    srv.add_argument("--rate", default="", help="comma-separated Poisson request rates (req/s) instead")
+    srv.add_argument("--requests", type=int, default=32, help="requests per level")
+    srv.add_argument("--image-fraction", type=float, default=0.25)
+    srv.add_argument("--prompt-words", type=int, default=30)
+    srv.add_argument("--max-tokens", type=int, default=32)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--out", type=Path, default=Path("bench-out"))
+    srv.add_argument("--launch-model", type=Path, default=None,
+                     help="with --launch: serve this checkpoint directory (default: the bundled tiny model)")
+    srv.add_argument("--launch-args", default="",
+                     help="with --launch: more `ds4serve serve` flags, one string (e.g. "
+                          "--launch-args='--device cuda --dtype bfloat16')")
+    _add_multiturn_flags(srv)
+
+
+def _add_multiturn_flags(srv: argparse.ArgumentParser) -> None:
+    """`bench serve --multi-turn`: growing chat conversations, the traffic a prefix cache is for."""
+    mt = srv.add_argument_group("multi-turn (--multi-turn; --model, --max-tokens, --seed, --out apply too)")
+    mt.add_argument("--multi-turn", action="store_true",
+                    help="concurrent conversations, each turn resending the whole history; TTFT and "
+                         "cached tokens per turn")
+    mt.add_argument("--conversations", type=int, default=4, help="conversations run at once")
+    mt.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    mt.add_argument("--system-tokens", type=int, default=400,
+                    help="length of the shared system prompt (sized with the server's /tokenize when it has one)")
+    mt.add_argument("--user-words", type=int, default=12, help="filler words per user message, before its question")
+    mt.add_argument("--images", action=argparse.BooleanOptionalAction, default=None,
+                    help="attach an image every --image-every turns (default: when the server takes images)")
+    mt.add_argument("--image-every", type=int, default=3)
+    mt.add_argument("--image", type=Path, default=None, help="the image to attach (default: the bundled sample.png)")
+    mt.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="every answer exactly --max-tokens long, so turns grow predictably "
+                         "(--no-ignore-eos for servers that reject the field)")
+    mt.add_argument("--compare", action="store_true",
+                    help="run the same conversations twice, prefix cache on then off: with --launch a second "
+                         "server gets --no-enable-prefix-caching; else give --baseline-url")
+    mt.add_argument("--baseline-url", default=None,
+                    help="a cache-off server for the comparison (implies --compare); --base-url is the cache-on one")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,12 +306,17 @@ def _tiny(args) -> int:
 
 
 def _serve(args) -> int:
+    from .server.keys import KeyConfigError, load_keys
     from .server.launch import BindError, build_state, check_binding, run
     from .tiny.random_model import default_model
 
+    flags = args.api_key
+    if flags is None:  # $DS4SERVE_API_KEY stands in for --api-key, never adds to it
+        flags = [os.environ["DS4SERVE_API_KEY"]] if os.environ.get("DS4SERVE_API_KEY") else []
     try:
-        check_binding(args.host, args.api_key, args.insecure_no_auth)
-    except BindError as exc:
+        keys = load_keys(flags, args.api_key_file)
+        check_binding(args.host, keys, args.insecure_no_auth)
+    except (BindError, KeyConfigError) as exc:
         print(f"ds4serve: {exc}", file=sys.stderr)
         return 2
     import torch
@@ -274,49 +337,55 @@ def _serve(args) -> int:
     limits = _settings(args, ServerLimits, _SERVER_FLAGS)
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
-                        api_key=args.api_key, served_name=served, random_weights=random_weights,
+                        api_keys=keys, served_name=served, random_weights=random_weights,
                         vision_device=args.vision_device, image_hosts=hosts)
     run(state, args.host, args.port, args.log_level)
     return 0
 
 
-def _maybe_launch(launch: bool):
-    """Start ``ds4serve serve`` on a free loopback port for the duration of a bench (or do nothing)."""
-    import contextlib
-    import socket
-    import subprocess
-    import time
-    import urllib.request
+def _launch_serve_args(args) -> list[str]:
+    """The `ds4serve serve` flags `bench serve --launch` adds to its defaults."""
+    import shlex
 
-    @contextlib.contextmanager
-    def ctx():
-        if not launch:
-            yield None
-            return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "ds4serve.cli", "--log-level", "WARNING", "serve",
-                                 "--port", str(port), "--max-seqs", "32"])
-        base = f"http://127.0.0.1:{port}"
-        try:
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=1)
-                    break
-                except OSError:
-                    if proc.poll() is not None:
-                        raise SystemExit("ds4serve serve exited during start-up")
-                    time.sleep(0.2)
-            yield base
-        finally:
-            from .bench.memory import describe  # noqa: PLC0415
+    extra = ["--model", str(args.launch_model)] if args.launch_model else []
+    return extra + shlex.split(args.launch_args)
 
-            print(describe("the launched ds4serve server", proc.pid))
-            proc.terminate()
-            proc.wait(timeout=30)
 
-    return ctx()
+def _serve_accepts(flag: str) -> bool:
+    """Whether this `ds4serve serve` parses ``flag`` (checked before a bench starts a server with it)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return flag in sub.choices["serve"]._option_string_actions
+
+
+def _bench_multiturn(args) -> int:
+    """`bench serve --multi-turn`: one run, or cache on then off (two launched servers or two URLs)."""
+    from .bench.launch import launched_server
+    from .bench.multiturn import MultiTurnSpec, run, url_target
+
+    compare = args.compare or args.baseline_url is not None
+    serve_args = _launch_serve_args(args)
+    off_flag = "--no-enable-prefix-caching"
+    if compare and not args.launch and args.baseline_url is None:
+        print("ds4serve: --compare needs --launch (two servers are started) or --baseline-url", file=sys.stderr)
+        return 2
+    if compare and args.launch and not _serve_accepts(off_flag):
+        print(f"ds4serve: this `ds4serve serve` has no {off_flag}; start a cache-off server yourself and "
+              "pass --baseline-url", file=sys.stderr)
+        return 2
+
+    def launched(label: str, flags: list[str]):
+        return label, lambda: launched_server(flags, label=f"the launched server ({label})")
+
+    on_label = "cache on" if compare else "run"
+    targets = [launched(on_label, serve_args) if args.launch else url_target(on_label, args.base_url)]
+    if compare:
+        targets.append(launched("cache off", [*serve_args, off_flag]) if args.launch
+                       else url_target("cache off", args.baseline_url))
+    spec = MultiTurnSpec(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+                         user_words=args.user_words, max_tokens=args.max_tokens, image_every=args.image_every,
+                         images=args.images, image_path=args.image, seed=args.seed, ignore_eos=args.ignore_eos)
+    run(targets, spec, args.model, args.out, api_key=args.api_key)
+    return 0
 
 
 def _bench(args) -> int:
@@ -328,12 +397,20 @@ def _bench(args) -> int:
             compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads,
             rounds=args.rounds, device=args.device)
         return 0
+    if args.bench_command == "serve":  # one line per request from httpx would bury the tables
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.bench_command == "serve" and args.multi_turn:
+        return _bench_multiturn(args)
     if args.bench_command == "serve":
+        import contextlib
+
+        from .bench.launch import launched_server
         from .bench.serve_bench import run as run_serve
 
         conc = [int(x) for x in args.concurrency.split(",") if x.strip()] if not args.rate else []
         rates = [float(x) for x in args.rate.split(",") if x.strip()]
-        with _maybe_launch(args.launch) as base:
+        server = launched_server(_launch_serve_args(args)) if args.launch else contextlib.nullcontext(None)
+        with server as base:
             run_serve(base or args.base_url, args.model, conc, rates, args.requests, args.image_fraction,
                       args.prompt_words, args.max_tokens, args.seed, args.out, api_key=args.api_key)
         return 0

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from ds4serve.bench.serve_bench import Result, make_requests, markdown, run_level, summarise
+from ds4serve.bench.serve_bench import Result, make_requests, markdown, read_usage, run_level, summarise
 
 
 def test_summary_arithmetic():
@@ -24,6 +24,16 @@ def test_summary_arithmetic():
     assert lv.ttft_ms["p99"] <= 300.0 + 1e-6
     table = markdown([lv])
     assert "| c=2 | 4 | 2 |" in table and "HTTP 503" in table and "| 250 |" in table
+
+
+def test_cached_tokens_are_read_when_reported_and_none_when_absent():
+    usage = {"prompt_tokens": 90, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 64}}
+    assert read_usage(usage) == (7, 90, 64)
+    assert read_usage({"prompt_tokens": 90, "completion_tokens": 7}) == (7, 90, None)
+    assert read_usage({"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": None}) == (1, 9, None)
+    reported = [Result(True, ttft=0.1, e2e=0.2, output_tokens=2, cached_tokens=c) for c in (64, None, 0)]
+    assert summarise("x", 1, None, reported, 1.0).cached_tokens == 64
+    assert summarise("x", 1, None, [Result(True, ttft=0.1, e2e=0.2, output_tokens=2)], 1.0).cached_tokens is None
 
 
 def test_bodies_are_seeded_and_honour_ignore_eos():
@@ -44,3 +54,5 @@ def test_load_levels_against_a_live_server(server, concurrency, rate):
     lv = summarise("x", concurrency, rate, results, duration)
     assert lv.output_throughput == pytest.approx(42 / duration)
     assert all(r.prompt_tokens > 0 for r in results) and lv.prompt_tok_s_ttft > 0  # the server's usage
+    assert all(r.text for r in results)  # the streamed content, joined
+    assert all(r.cached_tokens is None or 0 <= r.cached_tokens <= r.prompt_tokens for r in results)

@@ -44,6 +44,10 @@ class Result:
     output_tokens: int = 0
     error: str | None = None
     prompt_tokens: int = 0  # as the server counts them (usage.prompt_tokens); 0 when it does not say
+    # usage.prompt_tokens_details.cached_tokens (OpenAI's field); None when the server does not send it,
+    # so "no prefix cache reported" stays distinguishable from "reported, nothing reused"
+    cached_tokens: int | None = None
+    text: str = ""  # the streamed content, joined (multi-turn runs send it back as the assistant turn)
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Level:
     # reports no usage); and all prompt tokens of the level over its wall time
     prompt_tok_s_ttft: float = float("nan")
     prompt_throughput: float = 0.0
+    # prompt tokens the server says it reused from its prefix cache, over completed requests; None when
+    # it never reports usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None
 
 
 def _pct(values: list[float]) -> dict[str, float]:
@@ -111,11 +118,27 @@ def make_requests(n: int, seed: int, image_fraction: float, prompt_words: int, m
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Result:
+def read_usage(usage: dict) -> tuple[int, int, int | None]:
+    """(completion tokens, prompt tokens, cached prompt tokens or None) from an OpenAI ``usage`` object.
+
+    ``prompt_tokens_details`` is optional in OpenAI's schema and absent from servers without a prefix
+    cache, hence None rather than 0 for the cached count."""
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return usage.get("completion_tokens") or 0, usage.get("prompt_tokens") or 0, (
+        int(cached) if cached is not None else None)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict,
+                      count_reasoning: bool = False) -> Result:
+    """One streamed chat request, timed. ``count_reasoning``: a reasoning delta also counts as the
+    first token (a thinking model's first visible output), as multi-turn runs measure TTFT."""
     t0 = time.perf_counter()
     first = last = None
     gaps: list[float] = []
+    text: list[str] = []
     tokens = pieces = prompt = 0
+    cached: int | None = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -128,10 +151,13 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
                 if "error" in chunk:
                     return Result(False, error=f"stream error: {chunk['error'].get('code')}")
                 if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                    prompt = chunk["usage"].get("prompt_tokens") or 0
+                    tokens, prompt, cached = read_usage(chunk["usage"])
                 for choice in chunk.get("choices", []):
-                    if choice.get("delta", {}).get("content"):
+                    delta = choice.get("delta") or {}
+                    content = delta.get("content")
+                    if content:
+                        text.append(content)
+                    if content or (count_reasoning and (delta.get("reasoning_content") or delta.get("reasoning"))):
                         pieces += 1
                         now = time.perf_counter()
                         if first is None:
@@ -146,7 +172,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, headers: 
         return Result(False, error="no tokens")
     # servers that ignore include_usage: count content chunks (one token each, or fewer chunks than
     # tokens where the detokenizer holds back a partial character, so never an overcount)
-    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens or pieces, prompt_tokens=prompt)
+    return Result(True, ttft=first - t0, e2e=end - t0, itl=gaps, output_tokens=tokens or pieces, prompt_tokens=prompt,
+                  cached_tokens=cached, text="".join(text))
 
 
 async def run_level(base: str, bodies: list[dict], concurrency: int | None, rate: float | None, seed: int,
@@ -193,7 +220,14 @@ def summarise(label: str, concurrency, rate, results: list[Result], duration: fl
                  output_throughput=sum(r.output_tokens for r in ok) / duration,
                  longest_pause_ms=1000 * max(gaps, default=0.0),
                  prompt_tok_s_ttft=_median([r.prompt_tokens / r.ttft for r in ok if r.prompt_tokens and r.ttft > 0]),
-                 prompt_throughput=sum(r.prompt_tokens for r in ok) / duration)
+                 prompt_throughput=sum(r.prompt_tokens for r in ok) / duration,
+                 cached_tokens=_sum_reported([r.cached_tokens for r in ok]))
+
+
+def _sum_reported(values: list[int | None]) -> int | None:
+    """The sum of the values the server reported (None where it reported none at all)."""
+    got = [v for v in values if v is not None]
+    return sum(got) if got else None
 
 
 def _median(values: list[float]) -> float:
