@@ -260,9 +260,9 @@ def _add_multiturn_flags(srv: argparse.ArgumentParser) -> None:
                     help="attach an image every --image-every turns (default: when the server takes images)")
     mt.add_argument("--image-every", type=int, default=3)
     mt.add_argument("--image", type=Path, default=None, help="the image to attach (default: the bundled sample.png)")
-    mt.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                    help="every answer exactly --max-tokens long, so turns grow predictably "
-                         "(--no-ignore-eos for servers that reject the field)")
+    mt.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                    help="every answer exactly --max-tokens long (default off: an answer that runs past EOS "
+                         "cannot be sent back as the client's history, so the next turn could not reuse its end)")
     mt.add_argument("--compare", action="store_true",
                     help="run the same conversations twice, prefix cache on then off: with --launch a second "
                          "server gets --no-enable-prefix-caching; else give --baseline-url")

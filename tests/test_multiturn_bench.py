@@ -147,7 +147,7 @@ def test_cli_wiring():
     args = build_parser().parse_args(["bench", "serve", "--multi-turn", "--conversations", "2", "--turns", "3",
                                       "--no-images", "--system-tokens", "50", "--launch-args=--threads 2"])
     assert args.multi_turn and (args.conversations, args.turns, args.system_tokens) == (2, 3, 50)
-    assert args.images is False and args.ignore_eos is True and args.launch_args == "--threads 2"
+    assert args.images is False and args.ignore_eos is False and args.launch_args == "--threads 2"
     assert build_parser().parse_args(["bench", "serve", "--multi-turn"]).images is None  # auto
     assert _serve_accepts("--max-seqs") and not _serve_accepts("--no-such-flag")
     compare_without_a_baseline = build_parser().parse_args(["bench", "serve", "--multi-turn", "--compare"])

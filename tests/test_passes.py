@@ -96,4 +96,5 @@ def test_staging_holds_the_pass_between_steps(llm_factory):
     finally:
         cache.drop(other)
         cache.drop(slot)
-    assert torch.isfinite(cache.staging).all()
+    # staging is uninitialised on purpose (only the rows a pass writes become resident): check those
+    assert torch.isfinite(cache.staging[slot, :len(prompt)]).all()

@@ -52,19 +52,24 @@ def shared():
 
 
 def test_a_hit_is_the_cold_run_cut_at_that_point(llm_factory, shared):
-    """Two prompts sharing 300 tokens: the second hits at the interval point 256 and computes exactly
-    (bit for bit) what it computes cold after a reset, and what the cache-off engine computes."""
+    """Two prompts sharing 300 tokens: the second hits at the interval point 256 (captured inside the
+    first prompt's single chunk, which is not cut for it) and computes bit for bit what a cold run
+    whose prefill is cut at 256 computes; a cold uncut run agrees within the chunking tolerance."""
     core = llm_factory("A", max_seqs=4).core
     core.reset_prefix_cache()
     p1, p2 = shared + random_ids(40, 1000, seed=12), shared + random_ids(50, 1000, seed=13)
-    first, hit = _run(core, [p1], [_params(12)])[0], _run(core, [p2], [_params(12)])[0]
+    first = _run(core, [p1], [_params(12)])[0]
+    prefills = [h.prefill_rows for h in core.history if h.prefill_rows]
+    assert prefills[-1] == len(p1)  # one chunk: the snapshot at 256 came from inside the forward
+    hit = _run(core, [p2], [_params(12)])[0]
     assert first.cached_tokens == 0 and hit.cached_tokens == 256
     assert core.reset_prefix_cache() > 0 and core.cache.state.pages.used_pages == 0
     cold = _run(core, [p2], [_params(12)])[0]
     assert cold.cached_tokens == 0
-    assert hit.output_ids == cold.output_ids and _logprobs(hit) == _logprobs(cold)
-    off = _run(llm_factory("A", max_seqs=4, enable_prefix_caching=False).core, [p2], [_params(12)])[0]
-    _close(hit, off)
+    _close(hit, cold)
+    cut = _run(llm_factory("A", max_seqs=4, max_prefill_tokens=256, enable_prefix_caching=False).core,
+               [p2], [_params(12)])[0]
+    assert hit.output_ids == cut.output_ids and _logprobs(hit) == _logprobs(cut)
 
 
 def test_the_next_turn_hits_the_end_of_the_output(llm_factory, shared):
@@ -110,22 +115,24 @@ def _groups():
     return prompts
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_sixteen_concurrent_with_tiny_pools(seeded, llm_factory):
-    """Concurrency 16 over a pool of ~3 prompts and a host budget that forces drops: hits, evictions,
-    suspends and recomputes all happen, and every output equals the cache-off solo run."""
+@pytest.mark.parametrize("seeded,host_budget,preempted", [(False, "1MB", "preempt_suspend"),
+                                                          (True, "150KB", "preempt_drop")], ids=["greedy", "seeded"])
+def test_sixteen_concurrent_with_tiny_pools(seeded, host_budget, preempted, llm_factory):
+    """Concurrency 16 over a pool of ~2 prompts, with a host budget that takes suspends (greedy) or one
+    too small for them, so requests are dropped and recomputed (seeded): hits, evictions and
+    preemptions all happen, and every output equals the cache-off solo run."""
     prompts = _groups()
     params = [_params(8 + i % 5, seed=300 + i if seeded else None) for i in range(16)]
     solo_core = llm_factory("A", max_seqs=1, enable_prefix_caching=False).core
     solo = [_run(solo_core, [p], [q])[0] for p, q in zip(prompts, params)]
-    core = llm_factory("A", max_seqs=16, kv_budget=640, host_budget="150KB", step_tokens=64,
+    core = llm_factory("A", max_seqs=16, kv_budget=640, host_budget=host_budget, step_tokens=64,
                        max_prefill_tokens=128, prefix_cache_budget="2MB").core
     core.reset_prefix_cache()
     before = dict(core.scheduler.stats)
     got = _run(core, prompts, params, every=2)
     stats = {k: v - before.get(k, 0) for k, v in core.scheduler.stats.items()}
     prefix = core.prefix_stats()
-    assert stats["preempt_suspend"] > 0 and stats["preempt_drop"] > 0, stats
+    assert stats[preempted] > 0, stats
     assert sum(r.cached_tokens > 0 for r in got) >= 4, [r.cached_tokens for r in got]
     assert prefix["evictions"] > 0, prefix
     for i, (a, b) in enumerate(zip(got, solo)):
@@ -174,3 +181,59 @@ def test_an_image_under_a_hit_is_not_encoded_again(random_ckpt):
     assert req.prefix.pinned.key in {s.key for s in core.cache.prefix._lru.values()}
     core.run_until_idle()
     assert core.leaks() == "" and req.output_ids == hit.output_ids
+
+
+def _mixed(core, tok, solo_core):
+    """16 requests on the DS4V checkpoint: text families sharing 280 tokens, image chats sharing a
+    picture and a long question, and second turns of earlier chats (history = turn 1 and its answer,
+    taken from the cache-off solo run, as a client would send it back)."""
+    prompts, images = [], []
+    stem = random_ids(280, 250, seed=40)
+    for i in range(6):
+        prompts.append(stem + random_ids(12 + 5 * i, 250, seed=41 + i))
+        images.append(None)
+    for i in range(6):
+        ids, ims = _image_chat(core, tok, f"Question number {i % 2} about the shapes, please answer now.")
+        prompts.append(ids)
+        images.append(ims)
+    for i in range(4):  # turn 2 of requests 0, 1, 6 and 7
+        j = [0, 1, 6, 7][i]
+        first = _run(solo_core, [prompts[j]], [_params(8)], images=images[j])[0]
+        prompts.append(prompts[j] + first.output_ids + random_ids(20, 250, seed=60 + i))
+        images.append(images[j])
+    return prompts, images
+
+
+def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
+    """Text, image and multi-turn requests together, arriving every 3 steps into a pool of ~3
+    prompts: hits (images under some of them), evictions and preemptions happen, and every output
+    equals the cache-off engine's solo run; nothing is left behind."""
+    from ds4serve.chat import Tokenizer
+    from ds4serve.llm import LLM
+
+    tok = Tokenizer(random_ckpt)
+    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False).core
+    core = LLM(random_ckpt, max_seqs=16, kv_budget=1024, host_budget="400KB", step_tokens=64,
+               max_prefill_tokens=128, prefix_cache_budget="4MB").core
+    prompts, images = _mixed(core, tok, solo_core)
+    params = [_params(8) for _ in prompts]
+    solo = [_run(solo_core, [p], [q], images=ims)[0] for p, q, ims in zip(prompts, params, images)]
+    reqs = [core.make_request(p, q, images=ims) for p, q, ims in zip(prompts, params, images)]
+    pending, step = list(reqs), 0
+    while pending or core.has_work:
+        while pending and step >= 3 * (len(reqs) - len(pending)):
+            core.add(pending.pop(0))
+        core.step()
+        step += 1
+    stats, prefix = core.scheduler.stats, core.prefix_stats()
+    assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
+    assert prefix["evictions"] > 0 and sum(r.cached_tokens > 0 for r in reqs) >= 4, prefix
+    assert any(r.first_image for r in reqs), "no image was under a hit"
+    assert any(r.cached_tokens >= len(prompts[j]) for r, j in zip(reqs[12:], [0, 1, 6, 7])), \
+        "no second turn reused its whole first turn"
+    for i, (a, b) in enumerate(zip(reqs, solo)):
+        assert a.output_ids == b.output_ids, f"request {i} differs (cached {a.cached_tokens})"
+        _close(a, b)
+    assert core.leaks() == "" and core.cache.host_used == 0
+    core.reset_prefix_cache()
+    assert core.cache.state.pages.used_pages == 0

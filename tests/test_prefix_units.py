@@ -89,17 +89,19 @@ def test_image_content_is_part_of_the_key():
     assert a.key(150) != b.key(150) and a.boundary(2) != b.boundary(2)
 
 
-# ---- cut points ----------------------------------------------------------------------------------
+# ---- snapshot points ------------------------------------------------------------------------------
 
 
-def _req(total, spans, computed, points=()):
-    return SimpleNamespace(computed=computed, total_len=total, cache_points=tuple(points),
+def _req(total, spans, points=()):
+    return SimpleNamespace(total_len=total, cache_points=tuple(points),
                            spans=tuple(ImageSpan(a, b, a, b - 1) for a, b in spans), prompt_ids=[0] * total)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
-def test_cuts_never_fall_inside_an_image_block(data):
+def test_snapshot_points_never_fall_inside_an_image_block(data):
+    """Points inside a chunk: every interval multiple and cache point, moved to the start of the block
+    it falls in, kept if strictly inside the chunk and past the cache's minimum (an independent oracle)."""
     interval = data.draw(st.sampled_from([16, 64, 256]))
     total = data.draw(st.integers(2, 1200))
     spans, pos = [], 0
@@ -110,17 +112,58 @@ def test_cuts_never_fall_inside_an_image_block(data):
             break
         spans.append((a, b))
         pos = b
-    starts = [0] + [b for _, b in spans] + [a for a, _ in spans]
-    computed = data.draw(st.sampled_from([s for s in starts if s < total] + [0]))
-    if any(a < computed < b for a, b in spans):
-        return
+    edges = sorted({0, total, *[a for a, _ in spans], *[b for _, b in spans]})
+    lo = data.draw(st.sampled_from(edges[:-1]))
+    hi = data.draw(st.sampled_from([e for e in edges if e > lo]))
     points = data.draw(st.lists(st.integers(1, total), max_size=3))
-    reuse = PrefixReuse(SimpleNamespace(prefix=object()), interval)
-    cut = reuse.cut(_req(total, spans, computed, points))
-    # the oracle: every point, moved to the start of the block it falls inside; the first after us
-    moved = []
-    for p in [*range(interval, total + interval, interval), *points]:
+    reuse = PrefixReuse(SimpleNamespace(prefix=SimpleNamespace(min_tokens=64)), interval)
+    got = reuse._points(_req(total, spans, points), lo, hi)
+    want = set()
+    for p in [*range(interval, total, interval), *points]:
+        if not lo < p < hi:
+            continue
         inside = [a for a, b in spans if a < p < b]
-        moved.append(inside[0] if inside else p)
-    after = [p for p in moved if computed < p < total]
-    assert cut == (min(after) if after else None)
+        q = inside[0] if inside else p
+        if q > lo and q >= 64:
+            want.add(q)
+    assert got == sorted(want)
+    assert not any(a < p < b for p in got for a, b in spans)
+
+
+# ---- the cache itself, without a model ----------------------------------------------------------
+
+
+def _manager(n_pages: int):
+    import torch
+
+    from ds4serve.cache.layout import StateLayout
+    from ds4serve.cache.manager import CacheManager
+    from ds4serve.config import ModelConfig
+    from checkpoints import APPENDIX_A
+
+    layout = StateLayout.build(ModelConfig.from_dict(APPENDIX_A), torch.float32)
+    return CacheManager(layout, n_slots=3, n_pages=n_pages, device="cpu", host_budget_bytes=0, staging_rows=16,
+                        prefix_budget_bytes=4 * 2**20)
+
+
+def test_attaching_never_evicts_the_snapshot_being_attached():
+    """A hit whose partial page needs the last free page, held only by that very snapshot: making room
+    used to evict the snapshot itself and then share its freed pages (a crash). Now it is a miss."""
+    cache = _manager(n_pages=3)
+    ids = list(range(2, 200))
+    keys = PrefixKeys("", lambda a, b: ids[a:b])
+    a = cache.alloc_slot()
+    assert cache.reserve({a: 150})
+    assert cache.prefix.store(keys, 150, a)  # pages 0, 1 shared, the partial third one copied
+    cache.drop(a)
+    b = cache.alloc_slot()
+    assert cache.reserve({b: 64})  # the one free page: nothing is free now but the cache's own pages
+    c = cache.alloc_slot()
+    snap = cache.prefix.lookup(keys, 190)
+    assert snap is not None and snap.position == 150 and snap.tail
+    assert not cache.prefix.attach(snap, c)
+    assert cache.prefix.snapshots == 1 and cache.state.pages.table(c) == []
+    cache.drop(b)
+    assert cache.prefix.attach(snap, c) and cache.state.pages.table(c)[:2] == list(snap.pages)
+    cache.drop(c)
+    assert cache.leaks() == ""

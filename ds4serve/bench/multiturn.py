@@ -63,7 +63,9 @@ class MultiTurnSpec:
     images: bool | None = None
     image_path: Path | None = None
     seed: int = 0
-    ignore_eos: bool = True  # every answer is max_tokens long, so turns grow by a known amount
+    # off by default: a model that passes EOS under ignore_eos writes an answer no client can send back
+    # (the EOS inside it is not text), so the next turn could not reuse that turn's end
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class PrefixCache:
         self.layout, self.state = layout, state
         self.pages: PageAllocator = state.pages
         self.arena = SnapshotArena(layout, max(1, budget_bytes // self._snap_bytes(layout)), state.device)
+        for li, st in enumerate(state.layers):  # forwards capture rings into the arena (RingCapture)
+            st.snap = self.arena.rings(li)
         self.budget = int(budget_bytes)
         self.min_tokens = min_tokens
         self._free = list(range(self.arena.n - 1, -1, -1))
@@ -74,8 +76,9 @@ class PrefixCache:
         return len(self._lru)
 
     def bytes_used(self) -> int:
-        """Snapshot copies plus the pages only the cache keeps alive."""
-        return self.snapshots * self.arena.bytes_each() + self.pages.cache_only_pages * self.layout.bytes_per_page()
+        """Arena entries in use (snapshots and captures in flight) plus the pages only the cache keeps."""
+        entries = self.arena.n - len(self._free)
+        return entries * self.arena.bytes_each() + self.pages.cache_only_pages * self.layout.bytes_per_page()
 
     def summary(self) -> dict[str, int]:
         s = self.stats
@@ -100,8 +103,12 @@ class PrefixCache:
     def attach(self, snap: Snapshot, slot: int) -> bool:
         """Give the empty ``slot`` the state of ``snap``; False (nothing changed) if no page is free for
         the partial page."""
-        if snap.tail and not self.make_room(1):
-            return False
+        if snap.tail:
+            snap.pins += 1  # making room must not evict the very snapshot being attached
+            room = self.make_room(1)
+            snap.pins -= 1
+            if not room:
+                return False
         self.pages.adopt(slot, snap.pages)
         if snap.tail:
             if not self.pages.reserve(slot, len(snap.pages) + 1):  # cannot fail after make_room
@@ -115,27 +122,46 @@ class PrefixCache:
         return True
 
     # ---- store ---------------------------------------------------------------------------------
+    def take_entry(self) -> int | None:
+        """An arena entry for a new snapshot (evicting the least recently used), or None."""
+        if not self._free and not self._evict_one():
+            return None
+        while self.bytes_used() + self.arena.bytes_each() > self.budget:
+            if not self._evict_one():
+                return None
+        return self._free.pop()
+
+    def give_back(self, index: int) -> None:
+        self._free.append(index)
+
     def store(self, keys: PrefixKeys, position: int, slot: int) -> bool:
         """Snapshot ``slot`` (whose state covers exactly ``[0, position)``); False if it did not fit."""
         if position < self.min_tokens:
             return False
+        if keys.key(position) in self._lru:
+            self._lru.move_to_end(keys.key(position))
+            return True
+        index = self.take_entry()
+        if index is None:
+            return False
+        self.arena.save(self.state, slot, None, index)  # rings; commit copies the partial page
+        return self.commit(keys, position, slot, index)
+
+    def commit(self, keys: PrefixKeys, position: int, slot: int, index: int) -> bool:
+        """Arena entry ``index`` holds ``slot``'s rings as they stood at ``position``, and the slot's
+        pages below ``position`` are final: make it a snapshot (or give the entry back if one exists)."""
         key = keys.key(position)
         if key in self._lru:
             self._lru.move_to_end(key)
+            self.give_back(index)
             return True
-        if not self._free and not self._evict_one():
-            return False
-        while self.bytes_used() + self.arena.bytes_each() > self.budget:
-            if not self._evict_one():
-                return False
         pt = self.layout.page_tokens
         table = self.pages.table(slot)
-        full = position // pt
-        tail = position % pt != 0
+        full, tail = position // pt, position % pt != 0
         if len(table) < full + tail:
             raise RuntimeError(f"snapshot at {position}: slot {slot} holds only {len(table)} pages")
-        index = self._free.pop()
-        self.arena.save(self.state, slot, table[full] if tail else None, index)
+        if tail:  # rows of windows closing after ``position`` come along: never read before rewritten
+            self.arena.save_tail(self.state, table[full], index)
         snap = Snapshot(key=key, anchor=keys.anchor(position), position=position, pages=tuple(table[:full]),
                         tail=tail, index=index)
         self.pages.hold(snap.pages)

@@ -43,6 +43,21 @@ class SnapshotArena:
         per = t.shape[0] // self.n
         return slice(index * per, (index + 1) * per)
 
+    def rings(self, li: int) -> dict[str, torch.Tensor]:
+        """Layer ``li``'s ring tensors of the arena (entry ``i`` = rows ``[i * R, (i + 1) * R)``)."""
+        return {n: t for n, t in self.layers[li].items() if n in _RINGS}
+
+    def save_tail(self, state: ModelState, page: int, index: int) -> None:
+        """Copy the rows of ``page`` (a snapshot's partial page) into entry ``index``."""
+        for li, (ly, st) in enumerate(zip(self.layout.layers, state.layers)):
+            if not ly.ratio:
+                continue
+            rpp = self.layout.rows_per_page(ly.ratio)
+            for name in _POOLS:
+                if name in self.layers[li]:
+                    self.layers[li][name][index * rpp:(index + 1) * rpp].copy_(
+                        getattr(st, name)[page * rpp:(page + 1) * rpp])
+
     def save(self, state: ModelState, slot: int, tail_page: int | None, index: int) -> None:
         """Copy ``slot``'s rings (and ``tail_page``'s rows) into arena entry ``index``."""
         self._copy(state, slot, tail_page, index, into_arena=True)

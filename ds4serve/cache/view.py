@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.batch import BatchView, CompressIndex, QueryTile, VisibleRows
+from ..model.batch import BatchView, CompressIndex, QueryTile, RingCapture, VisibleRows
 from ..multimodal.records import ImageRows, ImageSpan
 from .layout import StateLayout
 
@@ -55,6 +55,9 @@ class SeqChunk:
     # for blocks inside this chunk: (absolute positions of IMAGE slots in stream order, rows [n, D]
     # already in stream order, i.e. aligner rows permuted by the block's perm)
     image_rows: tuple[ImageRows, ...] = ()
+    # prefix-cache snapshots strictly inside this chunk: (position H, snapshot arena entry); the
+    # forward copies the rings as they stood at H into that entry (see ``RingCapture``)
+    captures: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,6 +121,7 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
                               comp_mask={k: dev(v) for k, v in t.comp_mask.items()}) for t in tiles),
         gather_tokens=dev(gather) if tiles and gather.numel() else None,
         rings_after_write=after,
+        captures=_captures(layout, g, chunks, device) if any(c.captures for c in chunks) else None,
     )
 
 
@@ -272,6 +276,32 @@ def _ring_gather(g: _Geometry, lo: torch.Tensor, hi: torch.Tensor, ring_len: int
     new_idx = n_ring + g.offset[seq].unsqueeze(1) + (kp - c0)
     idx = ring_idx if after_write else torch.where(from_ring, ring_idx, new_idx)
     return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def _captures(layout: StateLayout, g: _Geometry, chunks: Sequence[SeqChunk],
+               device: torch.device) -> dict[int, RingCapture]:
+    """Per ring length ``R``: for each capture (``H`` inside a chunk starting at ``a``, arena entry
+    ``i``), ring row ``r`` of the snapshot is the latest position ``p < H`` with ``p % R == r``: a new
+    row of this forward when ``p >= a``, else the slot's ring row as it was before the forward."""
+    lengths = {layout.cfg.sliding_window} | {ly.span for ly in layout.layers if ly.ratio}
+    out = {}
+    for R in sorted(lengths):
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        r = torch.arange(R, dtype=_I64)
+        for k, c in enumerate(chunks):
+            a, off, slot = c.start, int(g.offset[k]), c.slot
+            for h, entry in c.captures:
+                if not a < h < a + len(c):
+                    raise ViewError(f"snapshot at {h} is not strictly inside the chunk [{a}, {a + len(c)})")
+                p = h - 1 - (h - 1 - r).remainder(R)
+                new = p >= a
+                parts[0].append(entry * R + r[~new])
+                parts[1].append(slot * R + r[~new])
+                parts[2].append(entry * R + r[new])
+                parts[3].append(off + p[new] - a)
+        old_dst, old_src, new_dst, new_src = (torch.cat(t).to(device) for t in parts)
+        out[R] = RingCapture(old_dst=old_dst, old_src=old_src, new_dst=new_dst, new_src=new_src)
+    return out
 
 
 def _ring_writes(g: _Geometry, ring_len: int) -> tuple[torch.Tensor, torch.Tensor]:

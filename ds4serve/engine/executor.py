@@ -123,7 +123,8 @@ class Engine:
                           max_image_tokens=self.cfg.vision.max_n_token)
 
     def _member_chunk(self, m: PassMember) -> SeqChunk:
-        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images)
+        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
+                        captures=m.captures)
 
     def _advance(self, p: PassSlice, rows, samplers, owners) -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""

@@ -46,6 +46,9 @@ class PassMember:
     spans: tuple = ()  # every image block of the sequence (ImageSpan), for masks and split checks
     # blocks inside this chunk: multimodal.records.ImageRows (IMAGE slot positions, rows in stream order)
     images: tuple = field(default=(), compare=False)
+    # prefix-cache snapshots strictly inside the chunk: (position, snapshot arena entry), filled by the
+    # forward (cache.view.SeqChunk.captures)
+    captures: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

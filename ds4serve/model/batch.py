@@ -67,6 +67,31 @@ class QueryTile:
 
 
 @dataclass(frozen=True)
+class RingCapture:
+    """Rings as they stood at a position inside this forward, copied into snapshot rows.
+
+    For a snapshot at ``H`` strictly inside a chunk, every ring row holds the latest position
+    ``p < H`` of its residue: from this forward's new rows when ``p`` is in the chunk (``new_*``),
+    else from the ring as it was before this forward's writes (``old_*``). Keyed in the view by ring
+    length (the index math depends on nothing else)."""
+
+    old_dst: torch.Tensor  # snapshot rows filled from the live ring
+    old_src: torch.Tensor  # live ring rows (read before this forward writes the ring)
+    new_dst: torch.Tensor  # snapshot rows filled from this forward's new rows
+    new_src: torch.Tensor  # token index of each
+
+
+def capture_ring(cap: RingCapture | None, snap: torch.Tensor | None, ring: torch.Tensor, new: torch.Tensor) -> None:
+    """Copy the ring as it stood at each capture point into ``snap`` (call before the ring write)."""
+    if cap is None or snap is None:
+        return
+    if cap.old_dst.numel():
+        snap.index_copy_(0, cap.old_dst, ring.index_select(0, cap.old_src))
+    if cap.new_dst.numel():
+        snap.index_copy_(0, cap.new_dst, new.index_select(0, cap.new_src).to(snap.dtype))
+
+
+@dataclass(frozen=True)
 class BatchView:
     """Everything a forward needs besides weights and state tensors."""
 
@@ -87,6 +112,7 @@ class BatchView:
     # True for a pure-decode forward (one token per sequence): swa_keys and emit_slots then index the
     # rings themselves, read after this forward's writes; else they index cat(ring, new rows)
     rings_after_write: bool = False
+    captures: dict[int, RingCapture] | None = None  # prefix-cache snapshots inside this forward, by ring length
 
     @property
     def num_tokens(self) -> int:
@@ -102,3 +128,6 @@ class LayerState:
     comp_pool: torch.Tensor | None = None  # [pool_rows, head_dim] compressed rows
     idx_ring: torch.Tensor | None = None  # [n_slots * span, 4 * index_head_dim] fp32 (CSA indexer)
     idx_pool: torch.Tensor | None = None  # [pool_rows, index_head_dim] indexer key rows
+    # the prefix cache's snapshot arena rows of this layer's rings ("swa", "comp_ring", "idx_ring"),
+    # filled by ``capture_ring`` when a view asks for snapshots inside a forward; None: no cache
+    snap: dict[str, torch.Tensor] | None = None

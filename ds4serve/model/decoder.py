@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import AttnKind, ModelConfig
 from .attention import block_sink_attention, gather_rows, sink_attention
-from .batch import BatchView, LayerState, QueryTile
+from .batch import BatchView, LayerState, QueryTile, capture_ring
 from .compressor import (block_indexer_scores, finish_rows, indexer_scores, pool_windows, select_top_rows,
                          token_states)
 from .mhc import hc_head, hc_post, hc_pre
@@ -102,13 +102,14 @@ class Compressor(nn.Module):
         """Emit closing windows into the pools (and the indexer's); returns the indexer's per-token
         inputs ``(q_idx [T, H, d], head weights [T, H])``, or ``None`` without an indexer."""
         key = (self.ratio, self.overlap)
+        snaps = st.snap or {}
         self._emit(x, view, rope, key, self.kv_proj, self.gate_proj, self.position_bias, self.kv_norm,
-                   st.comp_ring, st.comp_pool)
+                   st.comp_ring, st.comp_pool, snaps.get("comp_ring"))
         if self.indexer is None:
             return None
         ix = self.indexer
         self._emit(x, view, rope, key, ix.kv_proj, ix.gate_proj, ix.position_bias, ix.kv_norm,
-                   st.idx_ring, st.idx_pool)
+                   st.idx_ring, st.idx_pool, snaps.get("idx_ring"))
         n_tok = x.shape[0]
         q_idx = apply_rope(ix.q_b_proj(qr).view(n_tok, self.cfg.index_n_heads, -1), rope.compress)
         head_w = ix.scorer.weights_proj(x).float() * (self.cfg.index_n_heads**-0.5)
@@ -136,7 +137,7 @@ class Compressor(nn.Module):
         cols, ok = select_top_rows(scores, self.cfg.index_topk)
         return gather_rows(st.comp_pool, rows[cols]), ok
 
-    def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool) -> None:
+    def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool, snap=None) -> None:
         ci = view.compress[key]
         states = token_states(x, wkv.weight, wgate.weight, ape, view.positions)
         after = view.rings_after_write
@@ -147,6 +148,8 @@ class Compressor(nn.Module):
             pooled = pool_windows(slots, ci.emit_valid, self.overlap, self.ratio, norm.weight, self.cfg.rms_norm_eps)
             pool.index_copy_(0, ci.emit_rows, finish_rows(pooled, rope.emit[key], pool.dtype))
         if not after:
+            if view.captures:
+                capture_ring(view.captures.get(self.ratio * (2 if self.overlap else 1)), snap, ring, states)
             ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
 
 
@@ -183,6 +186,8 @@ class Attention(nn.Module):
             valid = view.swa_valid if g is None else view.swa_valid.index_select(0, g)
             if not view.rings_after_write:
                 keys = gather_rows(torch.cat((st.swa, kv)), keys_idx)
+        if view.captures and st.snap:
+            capture_ring(view.captures.get(cfg.sliding_window), st.snap.get("swa"), st.swa, kv)
         st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))
         if keys_idx is not None and keys is None:  # decode rows: the ring now holds exactly their windows
             keys = gather_rows(st.swa, keys_idx)

@@ -1,23 +1,28 @@
-"""Prefix reuse, the scheduler's side: where prefills are cut, when snapshots are taken, hits.
+"""Prefix reuse, the scheduler's side: where snapshots are taken, and hits.
 
-The cache (``cache/prefix.py``) keeps snapshots only at positions where a sequence's state covers
-exactly ``[0, H)``, i.e. at chunk boundaries. So the planner ends chunks at the *snapshot points*:
+A snapshot at ``H`` needs the state of exactly ``[0, H)``. The *snapshot points* are:
 
 * every ``interval`` input tokens (256 by default), so any shared prefix of at least that many tokens
   hits, however the prompts go on;
-* the end of the prompt (a chunk boundary anyway) and the request's ``cache_points`` (the server adds
-  the end of the user turn in DS4 thinking mode, where the next turn drops the reasoning);
+* the end of the prompt and the request's ``cache_points`` (the server adds the end of the user turn
+  in DS4 thinking mode, where the next turn drops the reasoning);
 * the end of the output, when the request completes (the next turn of a conversation starts there).
 
-A point inside an image block moves to the block's start (a cut never falls inside a block). A hit
-at ``H`` skips the encoder for the images below ``H``; the request then pins the snapshot, so a
+A point that is a chunk's end is snapshotted after the step (``store``: a copy of the slot). A point
+strictly inside a chunk is *captured by the forward itself*: the chunk's member carries ``(H, arena
+entry)`` and every layer copies its rings as they stood at ``H`` before writing them
+(``model.batch.capture_ring``), so prefill is never cut for the cache. The pages below ``H`` are final
+once the chunk has run; the entry becomes a snapshot when its pass completes (``commit``).
+
+A point inside an image block moves to the block's start (a snapshot never falls inside a block). A
+hit at ``H`` skips the encoder for the images below ``H``; the request then pins the snapshot, so a
 drop-and-recompute can always come back through it instead of needing rows that were never made.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cache.manager import CacheManager
 from ..cache.prefix import Snapshot
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 class PrefixState:
     keys: PrefixKeys
     pinned: Snapshot | None = None
+    pending: list[tuple[int, int]] = field(default_factory=list)  # captures in flight: (position, entry)
 
 
 class PrefixReuse:
@@ -85,35 +91,63 @@ class PrefixReuse:
             self.cache.prefix.unpin(st.pinned)
             st.pinned = None
 
-    # ---- cuts and snapshots --------------------------------------------------------------------
-    def _points_after(self, req: Request, pos: int) -> int | None:
+    # ---- snapshot points ----------------------------------------------------------------------
+    def _points(self, req: Request, lo: int, hi: int) -> list[int]:
+        """Snapshot points strictly inside ``(lo, hi)``, moved out of image blocks, ascending."""
         step = self.interval
-        extra = [p for p in req.cache_points if p > pos]
-        return min([(pos // step + 1) * step, *extra])
+        raw = set(range((lo // step + 1) * step, hi, step)) | {p for p in req.cache_points if lo < p < hi}
+        out = set()
+        for p in raw:
+            inside = next((sp for sp in req.spans if sp.start < p < sp.end), None)
+            p = p if inside is None else inside.start
+            if lo < p and p >= self.cache.prefix.min_tokens:
+                out.add(p)
+        return sorted(out)
 
-    def cut(self, req: Request) -> int | None:
-        """The next snapshot point after ``req.computed`` where its next chunk should end, or None."""
-        if self.cache.prefix is None:
-            return None
-        pos = req.computed
-        while True:
-            point = self._points_after(req, pos)
-            if point >= req.total_len:
-                return None
-            inside = next((sp for sp in req.spans if sp.start < point < sp.end), None)
-            if inside is None:
-                return point
-            if inside.start > req.computed:
-                return inside.start
-            pos = inside.end - 1  # the block starts at or before us: the next point after it
+    def captures(self, req: Request, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """Arena entries for the snapshot points inside the chunk ``[lo, hi)`` (as many as fit)."""
+        prefix = self.cache.prefix
+        if prefix is None or req.suspect is not None:
+            return ()
+        st = self._state(req)
+        self.drop_pending(req)  # a chunk planned before and never run (refused) asked for these
+        for h in self._points(req, lo, hi):
+            entry = prefix.take_entry()
+            if entry is None:
+                break
+            st.pending.append((h, entry))
+        return tuple(st.pending)
+
+    def drop_pending(self, req: Request) -> None:
+        """Give back arena entries of captures that will never complete (failed or refused steps)."""
+        st = req.prefix
+        if st is not None and st.pending:
+            for _, entry in st.pending:
+                self.cache.prefix.give_back(entry)
+            st.pending = []
 
     def is_point(self, req: Request) -> bool:
         pos = req.computed
         return pos % self.interval == 0 or pos in req.cache_points or pos == len(req.prompt_ids)
 
+    def _commit_pending(self, req: Request) -> None:
+        st = req.prefix
+        if st is None or not st.pending:
+            return
+        for h, entry in st.pending:
+            self.cache.prefix.commit(st.keys, h, req.slot, entry)
+        st.pending = []
+
     def after_prefill(self, req: Request) -> None:
-        """Snapshot ``req`` if its prefill just reached a snapshot point (state is exactly ``[0, computed)``)."""
-        if self.cache.prefix is not None and req.slot is not None and req.suspect is None and self.is_point(req):
+        """``req``'s chunk is in the cache: its captures become snapshots, and its end too if it is a
+        snapshot point (the state is then exactly ``[0, computed)``)."""
+        if self.cache.prefix is None or req.slot is None:
+            return
+        if req.suspect is not None:
+            self.drop_pending(req)
+            return
+        self._commit_pending(req)
+        if self.is_point(req):
             self.cache.prefix.store(self._state(req).keys, req.computed, req.slot)
 
     def at_finish(self, req: Request, completed: bool) -> None:
@@ -122,5 +156,7 @@ class PrefixReuse:
         if prefix is None:
             return
         if completed and req.slot is not None and req.suspect is None and req.pass_id is None:
+            self._commit_pending(req)
             prefix.store(self._state(req).keys, req.computed, req.slot)
+        self.drop_pending(req)
         self.release(req)

@@ -301,9 +301,6 @@ class Scheduler:
                 # one whole chunk as a pass, as many layers as the budget holds
                 n = min(req.pending, self.limits.max_prefill_tokens, self.limits.max_prefill_tokens if by_layers
                         else tokens_left)
-                cut = self.reuse.cut(req)
-                if cut is not None:
-                    n = min(n, cut - req.computed)  # end at the next prefix-snapshot point
             if n <= 0:
                 continue
             if not self.cache.reserve({req.slot: req.computed + n}):
@@ -327,7 +324,7 @@ class Scheduler:
             images = tuple(im.rows for im, sp in zip(self._images(req), req.live_spans)
                            if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
-                          sampler=req.sampler, spans=req.spans, images=images)
+                          sampler=req.sampler, spans=req.spans, images=images, captures=self.reuse.captures(req, lo, hi))
 
     def _image_chunk(self, req: Request) -> tuple[int, bool]:
         """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
@@ -336,9 +333,7 @@ class Scheduler:
         spans = req.spans
         blocks = [(sp.start, sp.end) for sp in spans]
         lo = req.computed
-        cut = self.reuse.cut(req)
-        budget = self.limits.max_prefill_tokens if cut is None else min(self.limits.max_prefill_tokens, cut - lo)
-        n = next_chunk(lo, req.total_len, budget, blocks, self.limits.min_prefill_tokens)
+        n = next_chunk(lo, req.total_len, self.limits.max_prefill_tokens, blocks, self.limits.min_prefill_tokens)
         hi = lo + n
         for im, sp in zip(self._images(req), req.live_spans):
             if sp.end <= lo or sp.start >= hi:
@@ -392,6 +387,9 @@ class Scheduler:
         is retained; sampling is counter-based, so nothing else advanced), as suspects that run apart
         from everybody else until cleared; fail alone only one that fails again on its own."""
         self.stats["step_failures"] += 1
+        for rid in plan.request_ids:
+            if rid in self.requests:
+                self.reuse.drop_pending(self.requests[rid])  # their snapshot copies are suspect too
         for p in plan.passes:
             self.passes.forget(p.pass_id)  # the engine forgot them when the step failed
         members = sorted((self.requests[rid] for rid in plan.request_ids if rid in self.requests),
