@@ -42,3 +42,13 @@ def ours_incremental(llm, prompt: list[int], steps: int, chunks: list[int] | Non
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def feed(core, reqs, every: int = 0) -> None:
+    """Step ``core`` until idle, request i arriving at step ``i * every`` (0: all at once)."""
+    pending, step = list(reqs), 0
+    while pending or core.has_work:
+        while pending and step >= every * (len(reqs) - len(pending)):
+            core.add(pending.pop(0))
+        core.step()
+        step += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
-from model_helpers import random_ids
+from model_helpers import feed, random_ids
 
 LENGTHS = [1, 2, 4, 5, 16, 17, 31, 33, 60, 64, 65, 100, 128, 150, 220, 300]
 MAX_TOKENS = [12, 30, 7, 25, 16, 9, 40, 11, 20, 6, 33, 14, 18, 10, 24, 8]
@@ -26,13 +26,7 @@ def run_staggered(llm, prompts, params, every: int = 3):
     """Request i arrives at step i * every; returns outputs in request order."""
     core = llm.core
     reqs = [core.make_request(p, q) for p, q in zip(prompts, params)]
-    pending = list(reqs)
-    step = 0
-    while pending or core.has_work:
-        while pending and step >= every * (len(reqs) - len(pending)):
-            core.add(pending.pop(0))
-        core.step()
-        step += 1
+    feed(core, reqs, every)
     assert core.leaks() == "", core.leaks()
     return [list(r.output_ids) for r in reqs], core.scheduler.stats
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
-from model_helpers import random_ids
+from model_helpers import feed, random_ids
 
 LOGPROB_TOL = 1e-4  # DESIGN §6: chunked prefill's tolerance
 
@@ -26,12 +26,7 @@ def _params(n: int, seed: int | None = None) -> SamplingParams:
 def _run(core, prompts, params, every: int = 0, **kw):
     """Requests arrive ``every`` steps apart (0: all at once); returns them when all are done."""
     reqs = [core.make_request(p, q, **kw) for p, q in zip(prompts, params)]
-    pending, step = list(reqs), 0
-    while pending or core.has_work:
-        while pending and step >= every * (len(reqs) - len(pending)):
-            core.add(pending.pop(0))
-        core.step()
-        step += 1
+    feed(core, reqs, every)
     assert core.leaks() == "", core.leaks()
     return reqs
 
@@ -219,12 +214,7 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     params = [_params(8) for _ in prompts]
     solo = [_run(solo_core, [p], [q], images=ims)[0] for p, q, ims in zip(prompts, params, images)]
     reqs = [core.make_request(p, q, images=ims) for p, q, ims in zip(prompts, params, images)]
-    pending, step = list(reqs), 0
-    while pending or core.has_work:
-        while pending and step >= 3 * (len(reqs) - len(pending)):
-            core.add(pending.pop(0))
-        core.step()
-        step += 1
+    feed(core, reqs, every=3)
     stats, prefix = core.scheduler.stats, core.prefix_stats()
     assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
     assert prefix["evictions"] > 0 and sum(r.cached_tokens > 0 for r in reqs) >= 4, prefix

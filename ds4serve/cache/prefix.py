@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .layout import StateLayout
 from .pages import PageAllocator
@@ -81,11 +81,8 @@ class PrefixCache:
         return entries * self.arena.bytes_each() + self.pages.cache_only_pages * self.layout.bytes_per_page()
 
     def summary(self) -> dict[str, int]:
-        s = self.stats
-        return {"hits": s.hits, "misses": s.misses, "hit_tokens": s.hit_tokens, "queried_tokens": s.queried_tokens,
-                "stored": s.stored, "evictions": s.evictions, "snapshots": self.snapshots,
-                "cached_pages": self.pages.cache_only_pages, "cached_bytes": self.bytes_used(),
-                "budget_bytes": self.budget}
+        return {**asdict(self.stats), "snapshots": self.snapshots, "cached_pages": self.pages.cache_only_pages,
+                "cached_bytes": self.bytes_used(), "budget_bytes": self.budget}
 
     # ---- lookup and attach -----------------------------------------------------------------------
     def lookup(self, keys: PrefixKeys, limit: int) -> Snapshot | None:
