@@ -41,13 +41,30 @@ log = logging.getLogger(__name__)
 TRAIN_SEED, EVAL_SEED, TOKENIZER_SEED = 1, 2, 1234
 
 
+# HCA at ratio 8, not Flash's 128: the tiny model's prompts are ~100-300 tokens, where ratio 128 would
+# emit no compressed row at all and leave the HCA layer untrained. The layers are written the way
+# transformers' own DeepseekV4Config states them (``layer_types`` + ``compress_rates``), which takes any
+# rate; the official ``compress_ratios`` list would be read as the legacy form, accepting only 0, 4, 128.
+LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+               "compressed_sparse_attention"]
+COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+
+# what AutoTokenizer (and so guidellm's --processor, vLLM, ...) needs besides tokenizer.json
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<｜begin▁of▁sentence｜>",
+    "eos_token": "<｜end▁of▁sentence｜>", "pad_token": "<｜pad｜>", "add_bos_token": True, "add_eos_token": False,
+    "clean_up_tokenization_spaces": False, "model_max_length": 2048,
+}
+
+
 def model_config(vocab_size: int) -> dict:
     """A few-million-parameter DS4V: SWA, CSA and HCA layers, hash + routed MoE, a small ViT."""
     return {
         "model_type": "deepseek_v4", "vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "qk_rope_head_dim": 16,
         "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 64, "sliding_window": 64,
-        "compress_ratios": [0, 4, 8, 4], "num_hash_layers": 1, "compress_rope_theta": 40000.0,
+        "layer_types": LAYER_TYPES, "compress_rates": COMPRESS_RATES, "num_hash_layers": 1,
+        "compress_rope_theta": 40000.0,
         "rope_theta": 10000.0, "max_position_embeddings": 2048, "index_n_heads": 4, "index_head_dim": 16,
         "index_topk": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "moe_intermediate_size": 192, "routed_scaling_factor": 1.0, "swiglu_limit": 10.0, "hc_mult": 2,
@@ -230,6 +247,7 @@ def train(settings: TrainSettings) -> dict:
     config = model_config(vocab)
     cfg = ModelConfig.from_dict(config)
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1, ensure_ascii=False))
     lm, enc = build(cfg, init_weights(cfg, settings.seed))
     layout = StateLayout.build(cfg, torch.float32)
     prep = Encoder(tok, cfg)
