@@ -178,9 +178,14 @@ def _add_tiny(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
     ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
     ev.add_argument("--model", type=Path, default=None)
-    ev.add_argument("--n", type=int, default=500)
+    ev.add_argument("--set", dest="eval_set", choices=("original", "wild", "both"), default="original",
+                    help="original: the training renderer's pictures; wild: an independent renderer (any size, "
+                         "background, position, outlines, JPEG) and paraphrased questions; both: two tables")
+    ev.add_argument("--n", type=int, default=500, help="questions per set")
     ev.add_argument("--in-flight", type=int, default=16)
-    ev.add_argument("--seed", type=int, default=2, help="held-out data seed (training uses other seeds)")
+    ev.add_argument("--seed", type=int, default=None,
+                    help="held-out data seed (default: 2 for the original set, 1717 for the wild one; training "
+                         "uses other seeds)")
     ev.add_argument("--threads", type=int, default=None)
 
 
@@ -295,14 +300,29 @@ def _tiny(args) -> int:
                                       time_limit_s=args.time_limit))
         print(f"trained {args.out} in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
         return 0
-    from .tiny.evaluate import evaluate
+    from .tiny.evaluate import HELD_OUT_SEED, evaluate
     from .tiny.random_model import default_model
+    from .tiny.wild_eval import WILD_SEED, evaluate_wild
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = args.model or default_model()[0]
-    evaluate(model, n=args.n, in_flight=args.in_flight, seed=args.seed)
+    llm = None
+    if args.eval_set == "both":  # one loaded model serves both sets
+        from .llm import LLM
+
+        llm = LLM(model, max_seqs=args.in_flight, max_model_len=512)
+    if args.eval_set in ("original", "both"):
+        evaluate(model, n=args.n, in_flight=args.in_flight, seed=_seed(args.seed, HELD_OUT_SEED), llm=llm)
+    if args.eval_set == "both":
+        print()
+    if args.eval_set in ("wild", "both"):
+        evaluate_wild(model, n=args.n, in_flight=args.in_flight, seed=_seed(args.seed, WILD_SEED), llm=llm)
     return 0
+
+
+def _seed(given: int | None, default: int) -> int:
+    return default if given is None else given
 
 
 def _serve(args) -> int:

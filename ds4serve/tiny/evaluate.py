@@ -33,7 +33,13 @@ def png_url(img) -> str:
 
 
 def prepare(core, tok: Tokenizer, pipeline: ImagePipeline, ex: Example):
-    rendered = render_chat(tok, messages(ex, [png_url(im) for im in ex.render_images()]))
+    return prepare_urls(tok, pipeline, ex, [png_url(im) for im in ex.render_images()])
+
+
+def prepare_urls(tok: Tokenizer, pipeline: ImagePipeline, ex, urls: list[str]):
+    """The server's path from a question and its image URLs to engine ids and image records (shared
+    with the wild eval, whose pictures are not always PNG)."""
+    rendered = render_chat(tok, messages(ex, urls))
     if not rendered.images:
         return rendered.ids, None
     prepared = pipeline.prepare(rendered)
@@ -46,16 +52,17 @@ def answer_text(tok: Tokenizer, ids: list[int]) -> str:
 
 
 def run_examples(core, tok: Tokenizer, pipeline: ImagePipeline, exs: list[Example], in_flight: int,
-                 params: SamplingParams) -> list[list[int]]:
+                 params: SamplingParams, prepare_fn=prepare) -> list[list[int]]:
     """Every example's output token ids, keeping ``in_flight`` requests live in ``core`` at a time
-    (a new one joins as soon as one finishes, like traffic on the server)."""
+    (a new one joins as soon as one finishes, like traffic on the server). ``prepare_fn`` builds a
+    request's ids and images (the wild eval passes its own, for JPEG pictures)."""
     pending = list(enumerate(exs))
     live: dict[str, tuple[int, object]] = {}
     outputs: dict[int, list[int]] = {}
     while pending or live:
         while pending and len(live) < in_flight:
             i, ex = pending.pop(0)
-            ids, images = prepare(core, tok, pipeline, ex)
+            ids, images = prepare_fn(core, tok, pipeline, ex)
             req = core.make_request(ids, params, images=images)
             core.add(req)
             live[req.request_id] = (i, req)
