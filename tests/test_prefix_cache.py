@@ -227,3 +227,27 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     assert core.leaks() == "" and core.cache.host_used == 0
     core.reset_prefix_cache()
     assert core.cache.state.pages.used_pages == 0
+
+
+def test_a_dropped_image_hit_recomputes_through_its_pinned_snapshot(random_ckpt):
+    """No host budget, so a preempted request is dropped: the one whose image was skipped by its hit
+    comes back through the snapshot it pinned (its image rows were never made) with the same answer."""
+    from ds4serve.chat import Tokenizer
+    from ds4serve.llm import LLM
+
+    tok = Tokenizer(random_ckpt)
+    core = LLM(random_ckpt, max_seqs=4, host_budget=1).core
+    first = _image_chat(core, tok, "What colour is the circle?")
+    second = _image_chat(core, tok, "How many shapes are there?")
+    _run(core, [first[0]], [_params(6)], images=first[1])
+    want = _run(core, [second[0]], [_params(6)], images=second[1])[0]
+    encoded = core.encoder.encoded
+    req = core.make_request(second[0], _params(6), images=second[1])
+    core.add(req)
+    core.step()
+    core.step()
+    assert req.first_image == 1 and req.output_ids
+    assert core.scheduler._preempt() and req.status.value == "parked" and core.cache.host_used == 0
+    core.run_until_idle()
+    assert core.scheduler.stats["preempt_drop"] >= 1 and core.encoder.encoded == encoded
+    assert req.output_ids == want.output_ids and core.leaks() == ""

@@ -44,10 +44,6 @@ class PrefixReuse:
         self.cache = cache
         self.interval = interval
 
-    @property
-    def enabled(self) -> bool:
-        return self.cache.prefix is not None
-
     def _state(self, req: Request) -> PrefixState:
         if req.prefix is None:
             images = [(im.span.start, im.content_hash) for im in req.images] if req.images else []
@@ -55,14 +51,15 @@ class PrefixReuse:
         return req.prefix
 
     # ---- hits ----------------------------------------------------------------------------------
-    def attach(self, req: Request, first: bool) -> None:
-        """Start ``req`` (holding a fresh slot, nothing computed) from its longest cached prefix.
+    def attach(self, req: Request, first: bool) -> bool:
+        """Start ``req`` (holding a fresh slot, nothing computed) from its longest cached prefix;
+        True on a hit.
 
         ``first``: its first admission (counted in the hit statistics and in ``cached_tokens``; a
         recompute after a drop may hit too, but the user's prompt was looked up once)."""
         prefix = self.cache.prefix
         if prefix is None:
-            return
+            return False
         st = self._state(req)
         snap = prefix.lookup(st.keys, req.total_len - 1)  # at least one token left to compute
         if snap is not None and not prefix.attach(snap, req.slot):
@@ -72,7 +69,7 @@ class PrefixReuse:
             prefix.stats.hits += snap is not None
             prefix.stats.misses += snap is None
         if snap is None:
-            return
+            return False
         req.computed = snap.position
         if first:
             req.cached_tokens = min(snap.position, len(req.prompt_ids))
@@ -83,6 +80,7 @@ class PrefixReuse:
             prefix.pin(snap)
             st.pinned = snap
         log.debug("prefix hit for %s: %d of %d tokens", req.request_id, snap.position, req.total_len)
+        return True
 
     def release(self, req: Request) -> None:
         """Drop ``req``'s pin (it ended, or a longer snapshot covers its skipped images now)."""

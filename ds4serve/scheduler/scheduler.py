@@ -166,9 +166,13 @@ class Scheduler:
         else:
             if not self._has_room_for(req):
                 return False
-            slot = self.cache.alloc_slot()
-            req.slot = slot
-            self.reuse.attach(req, first=False)  # a recompute may come back through the prefix cache
+            req.slot = slot = self.cache.alloc_slot()
+            # a recompute may come back through the prefix cache; one whose images were skipped by its
+            # first hit must (their rows were never made): it waits until its pinned snapshot attaches
+            if not self.reuse.attach(req, first=False) and req.first_image:
+                self.cache.drop(slot)
+                req.slot = None
+                return False
         req.slot = slot
         self.parked.remove(req)
         self._enter_running(req)
