@@ -31,7 +31,6 @@ from ds4serve.tiny.wild_eval import (PARAPHRASES, WILD_SEED, WILD_TASKS, WildExa
 from ds4serve.tiny.wild_render import (HUES, KINDS, MAX_SIDE, MIN_SIDE, POSITIONS, WildImage, WildShape, cell_of,
                                        colour_name, draw, encode, position_of, random_image, shape_mask)
 
-bundled = pytest.mark.skipif(not (BUNDLED / "model.safetensors").exists(), reason="bundled model not present")
 seeds = st.integers(0, 2**32 - 1)
 
 
@@ -166,7 +165,6 @@ def llm():
     return LLM(BUNDLED, max_seqs=8, max_model_len=512)
 
 
-@bundled
 def test_wild_eval_report_structure(llm, capsys):
     from ds4serve.tiny.wild_eval import evaluate_wild
 
@@ -183,7 +181,6 @@ def test_wild_eval_report_structure(llm, capsys):
     assert "| task | exact match |" in out and "| **overall** |" in out and "| wording: canonical |" in out and "| compare |" in out
 
 
-@bundled
 def test_serving_path_answers_training_style_pictures(llm):
     from ds4serve.chat import Tokenizer
     from ds4serve.engine.sampling import SamplingParams
@@ -201,7 +198,6 @@ def test_serving_path_answers_training_style_pictures(llm):
     assert right >= 0.9 * len(exs), [(ex.question, ex.answer, a) for a, ex in zip(answers, exs) if a != ex.answer]
 
 
-@bundled
 def test_cli_both_prints_both_tables(capsys):
     from ds4serve.cli import main
 

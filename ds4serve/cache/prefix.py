@@ -135,23 +135,32 @@ class PrefixCache:
         """Snapshot ``slot`` (whose state covers exactly ``[0, position)``); False if it did not fit."""
         if position < self.min_tokens:
             return False
-        if keys.key(position) in self._lru:
-            self._lru.move_to_end(keys.key(position))
+        key = keys.key(position)
+        if self._known(key):
             return True
         index = self.take_entry()
         if index is None:
             return False
-        self.arena.save(self.state, slot, None, index)  # rings; commit copies the partial page
-        return self.commit(keys, position, slot, index)
+        self.arena.save_rings(self.state, slot, index)  # _add copies the partial page
+        return self._add(keys, key, position, slot, index)
 
     def commit(self, keys: PrefixKeys, position: int, slot: int, index: int) -> bool:
-        """Arena entry ``index`` holds ``slot``'s rings as they stood at ``position``, and the slot's
-        pages below ``position`` are final: make it a snapshot (or give the entry back if one exists)."""
+        """Arena entry ``index`` holds ``slot``'s rings as they stood at ``position`` (captured by a
+        forward), and the slot's pages below ``position`` are final: make it a snapshot (or give the
+        entry back if that prefix is cached already)."""
         key = keys.key(position)
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        if self._known(key):
             self.give_back(index)
             return True
+        return self._add(keys, key, position, slot, index)
+
+    def _known(self, key: bytes) -> bool:
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return True
+        return False
+
+    def _add(self, keys: PrefixKeys, key: bytes, position: int, slot: int, index: int) -> bool:
         pt = self.layout.page_tokens
         table = self.pages.table(slot)
         full, tail = position // pt, position % pt != 0

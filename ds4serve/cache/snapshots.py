@@ -38,50 +38,38 @@ class SnapshotArena:
     def bytes_each(self) -> int:
         return self.layout.bytes_per_slot() + self.layout.bytes_per_page()
 
-    def _rows(self, name: str, li: int, index: int) -> slice:
-        t = self.layers[li][name]
-        per = t.shape[0] // self.n
-        return slice(index * per, (index + 1) * per)
-
     def rings(self, li: int) -> dict[str, torch.Tensor]:
         """Layer ``li``'s ring tensors of the arena (entry ``i`` = rows ``[i * R, (i + 1) * R)``)."""
         return {n: t for n, t in self.layers[li].items() if n in _RINGS}
 
+    def save_rings(self, state: ModelState, slot: int, index: int) -> None:
+        """Copy ``slot``'s rings into arena entry ``index``."""
+        for mine, live in self._pairs(state, slot, None, index):
+            mine.copy_(live)
+
     def save_tail(self, state: ModelState, page: int, index: int) -> None:
         """Copy the rows of ``page`` (a snapshot's partial page) into entry ``index``."""
-        for li, (ly, st) in enumerate(zip(self.layout.layers, state.layers)):
-            if not ly.ratio:
-                continue
-            rpp = self.layout.rows_per_page(ly.ratio)
-            for name in _POOLS:
-                if name in self.layers[li]:
-                    self.layers[li][name][index * rpp:(index + 1) * rpp].copy_(
-                        getattr(st, name)[page * rpp:(page + 1) * rpp])
-
-    def save(self, state: ModelState, slot: int, tail_page: int | None, index: int) -> None:
-        """Copy ``slot``'s rings (and ``tail_page``'s rows) into arena entry ``index``."""
-        self._copy(state, slot, tail_page, index, into_arena=True)
+        for mine, live in self._pairs(state, None, page, index):
+            mine.copy_(live)
 
     def load(self, index: int, state: ModelState, slot: int, tail_page: int | None) -> None:
-        """Copy arena entry ``index`` into ``slot``'s rings (and ``tail_page``)."""
-        self._copy(state, slot, tail_page, index, into_arena=False)
+        """Copy arena entry ``index`` into ``slot``'s rings (and into ``tail_page``)."""
+        for mine, live in self._pairs(state, slot, tail_page, index):
+            live.copy_(mine)
 
-    def _copy(self, state: ModelState, slot: int, tail_page: int | None, index: int, into_arena: bool) -> None:
+    def _pairs(self, state: ModelState, slot: int | None, page: int | None, index: int):
+        """(arena rows, live rows) views: every ring of ``slot`` and every pool row of ``page`` (each
+        skipped when None), against arena entry ``index``."""
         for li, (ly, st) in enumerate(zip(self.layout.layers, state.layers)):
-            for name in _RINGS + _POOLS:
-                if name not in self.layers[li]:
-                    continue
+            for name, mine in self.layers[li].items():
                 live = getattr(st, name)
+                per = mine.shape[0] // self.n  # rows per entry: a ring's length, or a page's rows
                 if name in _POOLS:
-                    if tail_page is None:
+                    if page is None:
                         continue
-                    rpp = self.layout.rows_per_page(ly.ratio)
-                    live_rows = slice(tail_page * rpp, (tail_page + 1) * rpp)
+                    at = page
                 else:
-                    per = live.shape[0] // state.n_slots
-                    live_rows = slice(slot * per, (slot + 1) * per)
-                mine = self.layers[li][name][self._rows(name, li, index)]
-                if into_arena:
-                    mine.copy_(live[live_rows])
-                else:
-                    live[live_rows].copy_(mine)
+                    if slot is None:
+                        continue
+                    at = slot
+                yield mine[index * per:(index + 1) * per], live[at * per:(at + 1) * per]
