@@ -57,9 +57,10 @@ class Example:
     question: str
     answer: str
     images: list[list[Shape]] = field(default_factory=list)  # one shape list per image
+    pictures: list[Image.Image] | None = None  # already drawn (``freehand``); else ``draw`` each scene
 
     def render_images(self) -> list[Image.Image]:
-        return [draw(s) for s in self.images]
+        return list(self.pictures) if self.pictures is not None else [draw(s) for s in self.images]
 
 
 def draw(shapes: list[Shape]) -> Image.Image:

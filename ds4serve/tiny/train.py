@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ..cache import ModelState, SeqChunk, StateLayout, build_view
 from ..chat import Tokenizer, render_chat
@@ -33,8 +33,10 @@ from ..model.vision import VisionEncoder, expected_vision_tensors
 from ..multimodal.layout import image_block
 from ..multimodal.records import ImageRows, ImageSpan
 from ..multimodal.resize import plan_resize, preprocess
-from .data import COLOURS, SHAPES, SIZE, TASKS, TRAIN_TASKS, Example, draw, examples, messages, random_scene
+from .data import SIZE, TASKS, TRAIN_TASKS, Example, examples, messages
+from .freehand import IMAGE_TASKS, free_examples
 from .tokenizer_train import train_tokenizer
+from .vision_pretrain import pretrain_vision, pretrain_vision_free
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,12 @@ class TrainSettings:
     warmup: int = 150
     seed: int = 0
     time_limit_s: float | None = None
+    init: Path | None = None  # continue from this ds4serve tiny checkpoint: stage 2 only
+    robust_steps: int = 1300  # stage 2b: free-hand pictures and reworded questions
+    robust_lr: float = 5e-4
+    free_vision_steps: int = 800  # stage 2a: the tower learns free-hand pictures from dense labels
+    free_share: float = 0.8  # of stage 2's pictures drawn free hand (the rest by the original renderer)
+    held_per_task: int = 24  # teacher-forced held-out questions per task and set, checked every ``eval_every``
     log_every: int = 50
     eval_every: int = 500
 
@@ -99,34 +107,55 @@ class Sample:
     n_prompt: int
     patches: list[torch.Tensor]
     blocks: list
+    grids: list[tuple[int, int]]  # (vit_h, vit_w) per image
 
 
 class Encoder:
-    """Example -> token ids with image blocks + patches, exactly as the server prepares them."""
+    """Example -> token ids with image blocks + patches, exactly as the server prepares them (each
+    picture sized by ``plan_resize`` from its own width and height)."""
 
     def __init__(self, tok: Tokenizer, cfg: ModelConfig):
         self.tok, self.cfg = tok, cfg
-        v = cfg.vision
-        self.geom = plan_resize(SIZE, SIZE, patch=v.patch_size, min_pixels=v.min_pixels, max_n_token=v.max_n_token,
-                                max_wh_ratio=v.max_wh_ratio, downsample=v.downsample_ratio)
+        self.geom = self.geometry(SIZE, SIZE)  # the original renderer's pictures
 
-    def prompt(self, ex: Example) -> tuple[list[int], list[torch.Tensor], list]:
+    def geometry(self, width: int, height: int):
+        v = self.cfg.vision
+        return plan_resize(width, height, patch=v.patch_size, min_pixels=v.min_pixels, max_n_token=v.max_n_token,
+                           max_wh_ratio=v.max_wh_ratio, downsample=v.downsample_ratio)
+
+    def prompt(self, ex: Example) -> tuple[list[int], list[torch.Tensor], list, list[tuple[int, int]]]:
         rendered = render_chat(self.tok, messages(ex, ["x"] * len(ex.images)))
+        pictures = ex.render_images()
+        geoms = [self.geometry(*im.size) for im in pictures]
         out, blocks, cursor = [], [], 0
-        for pos in rendered.image_positions:
+        for pos, geom in zip(rendered.image_positions, geoms, strict=True):
             out += rendered.ids[cursor:pos]
-            blk = image_block(self.geom.llm_h, self.geom.llm_w, len(out))
+            blk = image_block(geom.llm_h, geom.llm_w, len(out))
             out += [self.cfg.vocab_size + int(t) for t in blk.types]
             blocks.append(blk)
             cursor = pos + 1
         out += rendered.ids[cursor:]
-        patches = [preprocess(im, self.geom, self.cfg.vision.patch_size) for im in ex.render_images()]
-        return out, patches, blocks
+        patches = [preprocess(im, g, self.cfg.vision.patch_size) for im, g in zip(pictures, geoms)]
+        return out, patches, blocks, [(g.vit_h, g.vit_w) for g in geoms]
 
     def sample(self, ex: Example) -> Sample:
-        ids, patches, blocks = self.prompt(ex)
+        ids, patches, blocks, grids = self.prompt(ex)
         answer = self.tok.encode_text(ex.answer) + [self.tok.eos_id]
-        return Sample(ids + answer, len(ids), patches, blocks)
+        return Sample(ids + answer, len(ids), patches, blocks, grids)
+
+
+def encode_images(enc: VisionEncoder, batch: list[Sample]) -> list[torch.Tensor]:
+    """Aligner rows of every picture in the batch (in order), one tower pass per distinct grid."""
+    flat = [(p, grid) for s in batch for p, grid in zip(s.patches, s.grids)]
+    out: list[torch.Tensor | None] = [None] * len(flat)
+    by_grid: dict[tuple[int, int], list[int]] = {}
+    for i, (_, grid) in enumerate(flat):
+        by_grid.setdefault(grid, []).append(i)
+    for (vit_h, vit_w), idx in by_grid.items():
+        rows = enc.encode_same_grid(torch.stack([flat[i][0] for i in idx]), vit_h, vit_w)
+        for j, i in enumerate(idx):
+            out[i] = rows[j]
+    return out  # type: ignore[return-value]
 
 
 # ---- model ------------------------------------------------------------------------------------------
@@ -163,14 +192,13 @@ def build(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[DS4ForCau
 
 
 def forward_loss(lm: DS4ForCausalLM, enc: VisionEncoder, cfg: ModelConfig, layout: StateLayout,
-                 batch: list[Sample], geom) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean answer-token loss, per-token argmax hits and a per-sample all-correct mask."""
     n = len(batch)
     longest = max(len(s.ids) for s in batch)
     pages = layout.pages_for(longest)
     state = ModelState(layout, n_slots=n, n_pages=n * pages, device="cpu")
-    all_patches = [p for s in batch for p in s.patches]
-    rows = enc.encode_same_grid(torch.stack(all_patches), geom.vit_h, geom.vit_w) if all_patches else None
+    rows = encode_images(enc, batch)
     chunks, k = [], 0
     for i, s in enumerate(batch):
         image_rows, spans = [], []
@@ -199,110 +227,149 @@ def forward_loss(lm: DS4ForCausalLM, enc: VisionEncoder, cfg: ModelConfig, layou
     return loss, hits, per_sample
 
 
-# ---- stage 0: vision pretraining ---------------------------------------------------------------------
-
-def pretrain_vision(enc: VisionEncoder, cfg: ModelConfig, geom, steps: int, seed: int, batch: int = 32) -> float:
-    """Teach the tower what is in each cell before the LM needs it (as VLMs start from a trained
-    vision encoder): a linear head on every aligner row predicts the cell's shape kind and colour
-    (or "empty"). The head is thrown away; only the tower and aligner keep what they learned.
-    Returns the final per-cell accuracy."""
-    n_kind, n_col = len(SHAPES) + 1, len(COLOURS) + 1
-    head = torch.nn.Linear(cfg.hidden_size, n_kind + n_col)
-    params = [p for p in enc.parameters() if p.requires_grad] + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
-    rng = random.Random(seed)
-    colours = list(COLOURS)
-    acc = 0.0
-    for step in range(steps):
-        xs, kinds, cols = [], torch.zeros(batch, 9, dtype=torch.long), torch.zeros(batch, 9, dtype=torch.long)
-        for b in range(batch):
-            scene = random_scene(rng)
-            xs.append(preprocess(draw(scene), geom, cfg.vision.patch_size))
-            for sh in scene:
-                kinds[b, sh.cell] = 1 + SHAPES.index(sh.kind)
-                cols[b, sh.cell] = 1 + colours.index(sh.colour)
-        logits = head(enc.encode_same_grid(torch.stack(xs), geom.vit_h, geom.vit_w))  # [B, 9 cells, ...]
-        loss = F.cross_entropy(logits[..., :n_kind].reshape(-1, n_kind), kinds.reshape(-1)) + \
-            F.cross_entropy(logits[..., n_kind:].reshape(-1, n_col), cols.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        acc = ((logits[..., :n_kind].argmax(-1) == kinds) & (logits[..., n_kind:].argmax(-1) == cols)).float().mean()
-    log.info("vision pretraining: %d steps, per-cell kind+colour accuracy %.3f", steps, float(acc))
-    return float(acc)
-
-
 # ---- training loop ----------------------------------------------------------------------------------
 
+@dataclass
+class Run:
+    """What every stage shares: the model, its optimiser's parameters and the held-out sets."""
+
+    settings: TrainSettings
+    cfg: ModelConfig
+    lm: DS4ForCausalLM
+    enc: VisionEncoder
+    layout: StateLayout
+    prep: Encoder
+    params: list
+    held: dict[str, tuple[list[Example], list[Sample]]]
+    t_start: float
+
+
 def train(settings: TrainSettings) -> dict:
+    """Stage 1 (``steps``, skipped with ``init``): the original recipe on the original renderer's
+    pictures. Stage 2 (``robust_steps``): the same tasks with ``free_share`` of the pictures drawn free
+    hand and the questions reworded (``freehand``), at a lower learning rate, so the model answers about
+    pictures from other hands while it keeps what stage 1 taught."""
     t_start = time.time()
     random.seed(settings.seed)
     torch.manual_seed(settings.seed)
     out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_tok = train_tokenizer(TOKENIZER_SEED)
-    hf_tok.save(str(out / "tokenizer.json"))
-    tok = Tokenizer(out)
-    vocab = tok.vocab_size + (-tok.vocab_size) % 8
-    config = model_config(vocab)
-    cfg = ModelConfig.from_dict(config)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1, ensure_ascii=False))
-    lm, enc = build(cfg, init_weights(cfg, settings.seed))
-    layout = StateLayout.build(cfg, torch.float32)
+    tok, cfg = write_folder(out, settings.init)
+    weights = load_file(str(settings.init / "model.safetensors")) if settings.init else init_weights(cfg, settings.seed)
+    lm, enc = build(cfg, weights)
     prep = Encoder(tok, cfg)
-    vision_acc = pretrain_vision(enc, cfg, prep.geom, settings.vision_steps, settings.seed + 7)
+    summary = previous_summary(settings.init)
+    if not settings.init:
+        summary["vision_pretraining_accuracy"] = pretrain_vision(enc, cfg, prep.geom, settings.vision_steps,
+                                                                 settings.seed + 7)
     params = [p for p in list(lm.parameters()) + list(enc.parameters()) if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    log.info("training ds4v-tiny: %.2fM parameters, %d steps x %d examples", n_params / 1e6, settings.steps,
-             settings.batch)
-    opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    held_ex = examples(EVAL_SEED + 100, 7 * 24)
-    held = [prep.sample(ex) for ex in held_ex]
-    rng = random.Random(TRAIN_SEED)
-    history = []
-    step = 0
+    summary["params"] = sum(p.numel() for p in params)
+    held_base = examples(EVAL_SEED + 100, len(TASKS) * settings.held_per_task)
+    held_free = free_examples(EVAL_SEED + 200, len(IMAGE_TASKS) * settings.held_per_task, IMAGE_TASKS, 1.0)
+    held = {"original": (held_base, [prep.sample(e) for e in held_base]),
+            "free hand": (held_free, [prep.sample(e) for e in held_free])}
+    run = Run(settings, cfg, lm, enc, StateLayout.build(cfg, torch.float32), prep, params, held, t_start)
     logging.getLogger("ds4serve.cache.state").setLevel(logging.WARNING)
-    while step < settings.steps:
-        if settings.time_limit_s and time.time() - t_start > settings.time_limit_s:
-            log.info("time limit reached at step %d", step)
-            break
-        batch = [prep.sample(ex) for ex in examples(rng.randrange(2**31), settings.batch, TRAIN_TASKS)]
-        lr = settings.lr * min(1.0, (step + 1) / settings.warmup) * 0.5 * (1 + math.cos(math.pi * step / settings.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, hits, _ = forward_loss(lm, enc, cfg, layout, batch, prep.geom)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        if step % settings.log_every == 0 or step == 1:
-            log.info("step %d  loss %.4f  token acc %.3f  lr %.2e  %.0fs", step, loss.item(), hits.float().mean().item(),
-                     lr, time.time() - t_start)
-        if step % settings.eval_every == 0 or step == settings.steps:
-            ok = evaluate_teacher_forced(lm, enc, cfg, layout, held, prep.geom)
-            per_task = {t: sum(o for o, e in zip(ok, held_ex) if e.task == t) / sum(e.task == t for e in held_ex)
-                        for t in TASKS if any(e.task == t for e in held_ex)}
-            acc = sum(ok) / len(ok)
-            history.append({"step": step, "loss": loss.item(), "exact": acc, "per_task": per_task,
-                            "elapsed_s": time.time() - t_start})
-            log.info("step %d  held-out exact match (teacher-forced) %.3f  %s", step, acc,
-                     " ".join(f"{t}={a:.2f}" for t, a in per_task.items()))
+    log.info("training ds4v-tiny: %.2fM parameters", summary["params"] / 1e6)
+    if not settings.init and settings.steps:
+        summary["stages"].append(run_stage(run, "base", settings.steps, settings.lr, 0.0))
+    if settings.robust_steps:
+        t0 = time.time()
+        stats = pretrain_vision_free(enc, cfg, prep.geometry, settings.free_vision_steps, settings.seed + 11)
+        summary["stages"].append({"name": "free-hand vision", "steps": settings.free_vision_steps,
+                                  "elapsed_s": time.time() - t0, "final": stats})
+        summary["stages"].append(run_stage(run, "robust", settings.robust_steps, settings.robust_lr,
+                                           settings.free_share))
     save(out, lm, enc)
     save_sample(out)
-    summary = {"steps": step, "params": n_params, "elapsed_s": time.time() - t_start, "history": history,
-               "vision_pretraining_accuracy": vision_acc}
+    summary["steps"] = sum(st["steps"] for st in summary["stages"])
+    summary["elapsed_s"] = sum(st["elapsed_s"] for st in summary["stages"])
     (out / "TRAINING.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
+def write_folder(out: Path, init: Path | None) -> tuple[Tokenizer, ModelConfig]:
+    """Tokenizer (trained, seeded: the same every time), config and tokenizer config into ``out``;
+    continuing from ``init`` requires that checkpoint to have been trained with the same tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    hf_tok = train_tokenizer(TOKENIZER_SEED)
+    if init and json.loads(hf_tok.to_str()) != json.loads((init / "tokenizer.json").read_text()):
+        raise ValueError(f"{init} was trained with another tokenizer; continue from a ds4serve tiny model")
+    hf_tok.save(str(out / "tokenizer.json"))
+    tok = Tokenizer(out)
+    config = model_config(tok.vocab_size + (-tok.vocab_size) % 8)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1, ensure_ascii=False))
+    return tok, ModelConfig.from_dict(config)
+
+
+def previous_summary(init: Path | None) -> dict:
+    """The training record to extend: ``init``'s stage 1 (older records, one flat history, read as
+    stage 1), or a fresh one."""
+    previous = init / "TRAINING.json" if init else None
+    if previous is None or not previous.exists():
+        return {"params": 0, "stages": []}
+    summary = json.loads(previous.read_text())
+    summary.setdefault("stages", [{"name": "base", "steps": summary.get("steps"), "elapsed_s": summary.get("elapsed_s"),
+                                   "history": summary.pop("history", [])}])
+    summary["stages"] = [st for st in summary["stages"] if st["name"] == "base"]
+    return summary
+
+
+def batch_examples(seed: int, n: int, free_share: float) -> list[Example]:
+    """Stage 1 keeps the original data stream exactly (``examples``), so its recipe is unchanged."""
+    return free_examples(seed, n, TRAIN_TASKS, free_share) if free_share else examples(seed, n, TRAIN_TASKS)
+
+
+def run_stage(run: Run, name: str, steps: int, peak_lr: float, free_share: float) -> dict:
+    """Warm-up then cosine decay to 0 over ``steps``; teacher-forced held-out checks every ``eval_every``."""
+    st, t0 = run.settings, time.time()
+    opt = torch.optim.AdamW(run.params, lr=peak_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(TRAIN_SEED if name == "base" else TRAIN_SEED + 10)
+    history, step, loss = [], 0, torch.zeros(())
+    while step < steps:
+        if st.time_limit_s and time.time() - run.t_start > st.time_limit_s:
+            log.info("time limit reached at %s step %d", name, step)
+            break
+        batch = [run.prep.sample(ex) for ex in batch_examples(rng.randrange(2**31), st.batch, free_share)]
+        lr = peak_lr * min(1.0, (step + 1) / st.warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, hits, _ = forward_loss(run.lm, run.enc, run.cfg, run.layout, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(run.params, 1.0)
+        opt.step()
+        step += 1
+        if step % st.log_every == 0 or step == 1:
+            log.info("%s step %d  loss %.4f  token acc %.3f  lr %.2e  %.0fs", name, step, loss.item(),
+                     hits.float().mean().item(), lr, time.time() - run.t_start)
+        if step % st.eval_every == 0 or step == steps:
+            history.append({"step": step, "loss": loss.item(), "elapsed_s": time.time() - t0, **held_out(run)})
+    if not history or history[-1]["step"] != step:
+        history.append({"step": step, "loss": loss.item(), "elapsed_s": time.time() - t0, **held_out(run)})
+    return {"name": name, "steps": step, "lr": peak_lr, "free_share": free_share, "elapsed_s": time.time() - t0,
+            "history": history}
+
+
+def held_out(run: Run) -> dict:
+    """Teacher-forced exact match per held-out set and task (logged; the real eval is ``tiny eval``)."""
+    out = {}
+    for set_name, (exs, samples) in run.held.items():
+        ok = evaluate_teacher_forced(run.lm, run.enc, run.cfg, run.layout, samples)
+        tasks = sorted({e.task for e in exs}, key=lambda t: (TASKS + ("describe",)).index(t))
+        per_task = {t: sum(o for o, e in zip(ok, exs) if e.task == t) / sum(e.task == t for e in exs) for t in tasks}
+        out[set_name] = {"exact": sum(ok) / len(ok), "per_task": per_task}
+        log.info("held-out %s exact match (teacher-forced) %.3f  %s", set_name, sum(ok) / len(ok),
+                 " ".join(f"{t}={a:.2f}" for t, a in per_task.items()))
+    return out
+
+
 @torch.no_grad()
-def evaluate_teacher_forced(lm, enc, cfg, layout, samples: list[Sample], geom) -> list[bool]:
+def evaluate_teacher_forced(lm, enc, cfg, layout, samples: list[Sample]) -> list[bool]:
     """Per sample: is every answer token the argmax given the right prefix (= greedy exact match)."""
     ok: list[bool] = []
     for i in range(0, len(samples), 48):
-        ok += forward_loss(lm, enc, cfg, layout, samples[i:i + 48], geom)[2].tolist()
+        ok += forward_loss(lm, enc, cfg, layout, samples[i:i + 48])[2].tolist()
     return ok
 
 
@@ -311,7 +378,7 @@ SAMPLE_SCENE = [("circle", "red", 0), ("triangle", "green", 2), ("square", "blue
 
 def save_sample(out: Path) -> None:
     """The README's sample picture and the right answer to its question (not the model's answer)."""
-    from .data import Shape
+    from .data import Shape, draw
 
     draw([Shape(k, c, cell) for k, c, cell in SAMPLE_SCENE]).save(out / "sample.png")
     (out / "sample_answer.txt").write_text("green\n")  # What colour is the triangle?
