@@ -163,6 +163,9 @@ def _add_generate_and_info(sub: argparse._SubParsersAction) -> None:
 
     info = sub.add_parser("info", help="print the model config and per-sequence state sizes")
     _add_model_args(info)
+    from .cli_inspect import add_plan_parser
+
+    add_plan_parser(sub)
 
 
 def _add_tiny(sub: argparse._SubParsersAction) -> None:
@@ -176,6 +179,13 @@ def _add_tiny(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=2, help="CPU threads (fixed for reproducibility)")
     tr.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
+    tr.add_argument("--init", type=Path, default=None,
+                    help="continue from this tiny checkpoint (stage 2 only: free-hand pictures, reworded questions)")
+    tr.add_argument("--free-vision-steps", type=int, default=800,
+                    help="stage 2a: the vision tower on free-hand pictures with per-token labels")
+    tr.add_argument("--robust-steps", type=int, default=1300, help="stage 2b steps (0: the original recipe only)")
+    tr.add_argument("--robust-lr", type=float, default=5e-4)
+    tr.add_argument("--free-share", type=float, default=0.8, help="share of stage 2 pictures drawn free hand")
     ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
     ev.add_argument("--model", type=Path, default=None)
     ev.add_argument("--set", dest="eval_set", choices=("original", "wild", "both"), default="original",
@@ -280,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return _serve(args)
-    if args.command == "info":
-        return _info(args)
+    if args.command in ("info", "plan"):
+        from .cli_inspect import run_inspect
+
+        return run_inspect(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "tiny":
@@ -296,8 +308,10 @@ def _tiny(args) -> int:
         from .tiny.train import TrainSettings, train
 
         torch.set_num_threads(args.threads)
-        summary = train(TrainSettings(out=args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                                      time_limit_s=args.time_limit))
+        summary = train(TrainSettings(
+            out=args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, time_limit_s=args.time_limit,
+            init=args.init, free_vision_steps=args.free_vision_steps, robust_steps=args.robust_steps,
+            robust_lr=args.robust_lr, free_share=args.free_share))
         print(f"trained {args.out} in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
         return 0
     from .tiny.evaluate import HELD_OUT_SEED, evaluate
@@ -460,24 +474,6 @@ def _bench(args) -> int:
         run_grammar(args.tokenizer, batch=args.batch, threads=args.threads, out=args.json)
         return 0
     raise SystemExit(f"unknown bench {args.bench_command}")
-
-
-def _info(args) -> int:
-    from .cache import StateLayout
-    from .config import ModelConfig
-    from .model import parse_dtype
-
-    cfg = ModelConfig.from_file(args.model)
-    layout = StateLayout.build(cfg, parse_dtype(args.dtype))
-    kinds = ", ".join(f"{k.value}:{cfg.attn_kinds.count(k)}" for k in dict.fromkeys(cfg.attn_kinds))
-    print(f"model: {args.model}")
-    print(f"layers: {cfg.num_layers} ({kinds}); ratios {list(cfg.compress_ratios)}; window {cfg.sliding_window}")
-    print(f"hidden {cfg.hidden_size}, heads {cfg.num_heads} x {cfg.head_dim}, experts {cfg.n_routed_experts} "
-          f"top-{cfg.n_experts_per_tok}, vocab {cfg.vocab_size}, vision layers {cfg.vision.n_layers}")
-    print(f"state per token: {layout.bytes_per_token():.1f} B ({args.dtype} rows)")
-    print(f"state per slot (fixed): {layout.bytes_per_slot()} B = {layout.bytes_per_slot() / 2**20:.3f} MiB")
-    print(f"page: {layout.page_tokens} tokens = {layout.bytes_per_page()} B")
-    return 0
 
 
 def _generate(args) -> int:

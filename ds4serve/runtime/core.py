@@ -36,6 +36,7 @@ from ..multimodal.records import ImageInput
 from ..scheduler.admission import fit_problem
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
+from .capacity import check_fits
 from .sizing import Resolved, resolve
 from .calibrate import calibrate
 from .warmup import warm_up
@@ -231,10 +232,14 @@ class EngineCore:
 
 def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
               vision_device: str | None = None, extra_eos: Sequence[int] = ()) -> EngineCore:
-    """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model)."""
+    """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model).
+    A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``)."""
+    s = settings or EngineSettings()
+    check_fits(ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device), s.max_model_len,
+               s.max_prefill_tokens)
     cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device)
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
-    return EngineCore(cfg, model, settings or EngineSettings(), device, parse_dtype(dtype), eos_ids=eos)
+    return EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos)
 
 
 __all__ = ["EngineCore", "FatalStepError", "check_decode_graphs", "Resolved", "StepRecord", "load_core"]

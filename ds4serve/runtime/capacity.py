@@ -1,0 +1,234 @@
+"""Capacity plan: what a checkpoint needs on one device, worked out from ``config.json`` alone.
+
+A user with a real DS4-Flash should learn *before* minutes of loading (and an out-of-memory crash
+in the middle) whether it fits, what takes the memory, and what would fit instead. The plan counts:
+
+* **weights**, by kind (routed experts of the main layers, shared experts, attention and the rest of
+  the layers, embeddings + LM head, the vision tower), at the dtype ds4serve loads them with: every
+  floating tensor in the model dtype except the few kept in fp32 (``weights._keeps_fp32``), integer
+  buffers as they are. Routed experts are *dequantised at load* today, so a checkpoint's MXFP4
+  experts (4.25 bits each) take 16 bits in bf16; the plan also says what they would take packed.
+  MTP layers are listed apart: ds4serve does not load them.
+* **state**: each sequence slot's fixed rings (``StateLayout.bytes_per_slot``), its pass staging
+  (``staging_rows x hc x D``), and its pages for ``max_model_len`` tokens (compressed + indexer
+  rows); the prefix cache's default budget; a step's transient activations (an estimate: the
+  largest prefill chunk's streams, a few times over, and its logits).
+
+From those, the most sequences of ``max_model_len`` tokens the memory holds. ``serve`` logs the same
+plan at start-up and refuses, before allocating anything, a model whose weights and one sequence do
+not fit the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import StateLayout
+from ..config import ConfigError, ModelConfig
+from ..model.loader import expected_tensors
+from ..model.vision import expected_vision_tensors
+from ..model.weights import _keeps_fp32
+from ..multimodal.chunking import max_chunk_len
+
+GiB = 2**30
+# bits per routed-expert weight as the checkpoint stores it: MXFP4 = 4-bit codes + one 8-bit scale
+# per 32; FP8 = 1 byte + one fp32 scale per 128 x 128 block
+PACKED_BITS = {"fp4": 4 + 8 / 32, "mxfp4": 4 + 8 / 32, "fp8": 8 + 32 / (128 * 128)}
+ACTIVATION_COPIES = 8  # live [rows, hc, D] tensors at a layer's peak (streams, residual, q/kv, MoE), with margin
+
+
+def weight_kind(name: str) -> str:
+    """The plan's line for one tensor name (transformers' names, as ``expected_tensors`` gives them)."""
+    if name.startswith(("vision.", "aligner.")):
+        return "vision tower"
+    if ".mlp.experts." in name:
+        return "routed experts"
+    if ".mlp.shared_experts." in name:
+        return "shared experts"
+    if "embed_tokens" in name or name.startswith("lm_head") or name.startswith("image_"):
+        return "embeddings + LM head"
+    return "attention, norms, routers, mHC"
+
+
+def _loaded_bytes(name: str, shape: tuple[int, ...], meta_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    if not meta_dtype.is_floating_point:
+        target = meta_dtype
+    else:
+        target = torch.float32 if _keeps_fp32(name) else dtype
+    return numel * torch.empty((), dtype=target).element_size()
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    by_kind: dict[str, int]
+    routed_params: int  # routed-expert parameters of the main layers
+    packed_format: str | None  # the checkpoint's expert format when known ("fp4", "fp8")
+    mtp_layers: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    @property
+    def routed_packed(self) -> int | None:
+        bits = PACKED_BITS.get(self.packed_format or "")
+        return None if bits is None else int(self.routed_params * bits / 8)
+
+
+def plan_weights(cfg: ModelConfig, dtype: torch.dtype) -> WeightPlan:
+    """Bytes of every tensor ds4serve instantiates, by kind, without allocating (meta tensors)."""
+    tensors = dict(expected_tensors(cfg))
+    if cfg.vision.enabled:
+        tensors.update(expected_vision_tensors(cfg))
+    by_kind: dict[str, int] = {}
+    routed = 0
+    for name, (shape, meta_dtype) in tensors.items():
+        kind = weight_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0) + _loaded_bytes(name, shape, meta_dtype, dtype)
+        if kind == "routed experts":
+            n = 1
+            for s in shape:
+                n *= s
+            routed += n
+    raw = cfg.raw
+    fmt = raw.get("expert_dtype") or ((raw.get("quantization_config") or {}).get("quant_method"))
+    return WeightPlan(by_kind, routed, str(fmt).lower() if fmt else None, int(raw.get("num_nextn_predict_layers") or 0))
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    cfg: ModelConfig
+    dtype: torch.dtype
+    memory: int  # bytes the plan may use on the device
+    max_model_len: int
+    weights: WeightPlan
+    per_slot_fixed: int  # rings of one slot
+    per_slot_staging: int  # pass staging of one slot
+    per_token: float  # paged state growth per token
+    per_seq_pages: int  # bytes of the pages one max_model_len sequence needs
+    page_bytes: int
+    activations: int  # a step's transient peak (estimate)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def per_sequence_prefix(self) -> int:
+        """The prefix cache's default snapshot arena, per sequence (``sizing._prefix_bytes``): a quarter
+        of its pages, at least two snapshots (rings + one page each)."""
+        return max(self.per_seq_pages // 4, 2 * (self.per_slot_fixed + self.page_bytes))
+
+    @property
+    def per_sequence(self) -> int:
+        return self.per_slot_fixed + self.per_slot_staging + self.per_seq_pages + self.per_sequence_prefix
+
+    @property
+    def free_for_state(self) -> int:
+        return self.memory - self.weights.total - self.activations
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences of ``max_model_len`` tokens that fit, each with its share of the prefix cache."""
+        return max(0, self.free_for_state // self.per_sequence)
+
+    @property
+    def fits(self) -> bool:
+        return self.max_seqs >= 1
+
+
+def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_len: int | None = None,
+                  max_prefill_tokens: int = 1024, min_prefill_tokens: int = 16) -> CapacityPlan:
+    """The plan for one device with ``memory`` bytes (see the module doc)."""
+    if memory <= 0:
+        raise ConfigError(f"memory must be positive, got {memory}")
+    max_len = min(max_model_len or 8192, cfg.max_position_embeddings)
+    layout = StateLayout.build(cfg, dtype)
+    weights = plan_weights(cfg, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = max_chunk_len(max_prefill_tokens, min_prefill_tokens, cfg.vision.max_n_token if cfg.vision.enabled else 0)
+    stream = cfg.hc_mult * cfg.hidden_size * elem
+    activations = rows * stream * ACTIVATION_COPIES + rows * cfg.vocab_size * 4 // 16  # logits of sampled rows
+    plan = CapacityPlan(cfg, dtype, memory, max_len, weights, layout.bytes_per_slot(), rows * stream,
+                        layout.bytes_per_token(), layout.pages_for(max_len) * layout.bytes_per_page(),
+                        layout.bytes_per_page(), activations)
+    plan.notes.extend(_advice(plan))
+    return plan
+
+
+def _advice(p: CapacityPlan) -> list[str]:
+    out = []
+    w = p.weights
+    packed = w.routed_packed
+    if packed is not None:
+        loaded = w.by_kind.get("routed experts", 0)
+        out.append(f"routed experts are dequantised at load ({_gib(loaded)}); kept packed as the checkpoint "
+                   f"stores them ({w.packed_format}) they would take {_gib(packed)}: not built yet (issue 16)")
+    if w.mtp_layers:
+        out.append(f"{w.mtp_layers} MTP layer(s) in the checkpoint are not loaded (no speculative decoding yet)")
+    if not p.fits:
+        need = w.total + p.activations + p.per_sequence
+        out.append(f"does not fit: one sequence of {p.max_model_len} tokens needs {_gib(need)} on one device, "
+                   f"{_gib(p.memory)} given")
+        if packed is not None:
+            need_packed = need - w.by_kind.get("routed experts", 0) + packed
+            out.append(f"with packed experts it would need {_gib(need_packed)} "
+                       f"({-(-need_packed // p.memory)} devices of this size with expert parallel)")
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 100 else f"{n / 2**20:.2f} MiB"
+
+
+def render_plan(p: CapacityPlan) -> str:
+    w = p.weights
+    lines = [f"capacity plan: one device, {_gib(p.memory)}, weights in {str(p.dtype).removeprefix('torch.')}, "
+             f"max_model_len {p.max_model_len}", "", "| what | bytes |", "|---|---:|"]
+    lines += [f"| weights: {kind} | {_gib(n)} |" for kind, n in sorted(w.by_kind.items(), key=lambda kv: -kv[1])]
+    lines += [f"| **weights total** | **{_gib(w.total)}** |",
+              f"| activations of one step (estimate) | {_gib(p.activations)} |",
+              f"| per sequence: fixed rings | {_gib(p.per_slot_fixed)} |",
+              f"| per sequence: pass staging | {_gib(p.per_slot_staging)} |",
+              f"| per sequence: pages for {p.max_model_len} tokens ({p.per_token:.0f} B/token) | {_gib(p.per_seq_pages)} |",
+              f"| per sequence: prefix-cache snapshots (default budget) | {_gib(p.per_sequence_prefix)} |",
+              f"| **max concurrent sequences of {p.max_model_len} tokens** | **{p.max_seqs}** |"]
+    return "\n".join(lines + [""] + [f"- {n}" for n in p.notes])
+
+
+
+
+def device_memory(device: torch.device) -> int:
+    """What one device can hold at most: a GPU's free memory now (before ds4serve allocates), or the
+    host's physical memory (free memory would count the page cache as used)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import os
+
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # cannot tell: do not refuse
+
+
+def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+               max_prefill_tokens: int = 1024) -> CapacityPlan:
+    """The start-up check: log the plan, refuse (``ConfigError`` with the plan) before loading anything
+    when the weights and one sequence cannot fit on ``device``."""
+    import logging
+
+    plan = plan_capacity(cfg, dtype, device_memory(device), max_model_len, max_prefill_tokens)
+    log = logging.getLogger(__name__)
+    if not plan.fits:
+        raise ConfigError(f"the model does not fit on {device}:\n{render_plan(plan)}")
+    log.info("capacity: weights %s, %s per sequence of %d tokens; at most %d such sequences fit on %s",
+             _gib(plan.weights.total), _gib(plan.per_sequence), plan.max_model_len, plan.max_seqs, device)
+    for note in plan.notes:
+        log.info("capacity: %s", note)
+    return plan
+
+
+__all__ = ["CapacityPlan", "WeightPlan", "check_fits", "device_memory", "plan_capacity", "plan_weights",
+           "render_plan", "weight_kind"]
