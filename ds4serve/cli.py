@@ -145,6 +145,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_settings_flags(serve, EngineSettings, _ENGINE_FLAGS)
     _add_settings_flags(serve, ServerLimits, _SERVER_FLAGS)
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
+    serve.add_argument("--packed-experts", action="store_true",
+                       help="keep MXFP4 / FP8 routed experts packed in memory and dequantise only the experts a "
+                            "step uses (CPU only for now; ~13%% of the expert bytes for MXFP4, decode ~1.3-1.5x slower)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
     serve.add_argument("--allow-image-hosts", default="",
@@ -372,7 +375,8 @@ def _serve(args) -> int:
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
                         api_keys=keys, served_name=served, random_weights=random_weights,
-                        vision_device=args.vision_device, image_hosts=hosts)
+                        vision_device=args.vision_device, image_hosts=hosts,
+                        packed_experts=args.packed_experts)
     run(state, args.host, args.port, args.log_level)
     return 0
 

@@ -19,6 +19,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default min(model, 8192))")
     plan.add_argument("--dtype", default="bfloat16", help="weights and state dtype (default bfloat16)")
     plan.add_argument("--max-prefill-tokens", type=int, default=1024, help="as serve's flag (sizes staging)")
+    plan.add_argument("--packed-experts", action="store_true", help="as serve's flag: routed experts kept packed")
 
 
 def run_inspect(args) -> int:
@@ -43,7 +44,8 @@ def _plan(args) -> int:
     if memory is None or memory[0] != "bytes":
         raise ConfigError(f"--gpu-memory {args.memory!r}: give a size, e.g. 141GiB")
     cfg = ModelConfig.from_file(args.model)
-    plan = plan_capacity(cfg, parse_dtype(args.dtype), memory[1], args.max_model_len, args.max_prefill_tokens)
+    plan = plan_capacity(cfg, parse_dtype(args.dtype), memory[1], args.max_model_len, args.max_prefill_tokens,
+                         packed_experts=args.packed_experts)
     print(render_plan(plan))
     return 0 if plan.fits else 3
 

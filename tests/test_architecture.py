@@ -26,7 +26,8 @@ ALLOWED = {
     "bench": {"config", "llm", "server", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat",
               "tiny"},
     "cli": {"config", "llm", "server", "bench", "tiny", "runtime", "scheduler", "engine", "cache", "model",
-            "multimodal", "chat"},
+            "multimodal", "chat", "cli_inspect"},
+    "cli_inspect": {"config", "runtime", "cache", "model"},  # info / plan: read a config, never serve
     "__init__": {"llm", "config"},
 }
 

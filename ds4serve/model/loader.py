@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from .decoder import DS4ForCausalLM
+from .packed import PackedExperts
 from .rope import inverse_frequencies
 from .vision import VisionEncoder, expected_vision_tensors
 from .weights import load_state_dict
@@ -46,21 +48,37 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-               progress: bool = True, vision_device: str | torch.device | None = None
+               progress: bool = True, vision_device: str | torch.device | None = None, packed_experts: bool = False
                ) -> tuple[ModelConfig, DS4ForCausalLM]:
     """Load the language model; for a DS4V checkpoint also its vision encoder, attached as
-    ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``)."""
+    ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``).
+    ``packed_experts`` keeps MXFP4 / FP8 routed experts packed (``packed.py``; CPU only for now)."""
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
     device = torch.device(device)
+    if packed_experts and device.type != "cpu":
+        raise ValueError("packed experts run on the host only for now (the CUDA kernel is not built); "
+                         "load with packed_experts=False on a GPU")
     with torch.device("meta"):
         model = DS4ForCausalLM(cfg)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     expected.update(expected_vision_tensors(cfg))
-    sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg))
+    sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
+                         packed_experts=packed_experts)
     vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
-    model.load_state_dict(sd, assign=True, strict=True)
+    packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], PackedExperts)}
+    missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
+    if set(missing) != set(packed) or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {sorted(set(missing) - set(packed))[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    for name, stack in packed.items():  # a plain attribute in place of the (meta) parameter
+        module, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+        del module._parameters[attr]
+        setattr(module, attr, stack)
+    if packed:
+        log.info("routed experts kept packed: %d stacks, %.1f MiB resident", len(packed),
+                 sum(p.nbytes for p in packed.values()) / 2**20)
     model.vision_encoder = None
     if cfg.vision.enabled:
         vdev = torch.device(vision_device) if vision_device is not None else device
@@ -71,7 +89,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     model.inv_freq_main = inverse_frequencies(cfg.rope_main, cfg.rope_dim).to(device)
     model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
     model.eval()
-    n_params = sum(t.numel() for t in sd.values())
+    n_params = sum(t.numel() for t in sd.values()) + sum(math.prod(p.shape) for p in packed.values())
     log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s, in %.2f s", path, n_params / 1e6,
              cfg.num_layers, dt, device, time.perf_counter() - t0)
     return cfg, model

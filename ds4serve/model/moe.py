@@ -12,9 +12,12 @@ projection for the whole flattened batch, no Python loop over sequences and no h
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
+
+from .packed import PackedExperts
 
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -79,17 +82,25 @@ def run_experts(
     x: torch.Tensor,
     idx: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up,
+    down,
     limit: float,
 ) -> torch.Tensor:
-    """Routed experts for ``x [T, D]``: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (HF layout)."""
+    """Routed experts for ``x [T, D]``: ``gate_up [E, 2I, D]``, ``down [E, D, I]`` (HF layout), tensors
+    or ``PackedExperts`` (then only the routed experts are dequantised, for this call only)."""
     n_exp, two_i, d = gate_up.shape
-    # training (CPU grouped_mm has no backward) and small batches take the dense path
-    weight_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
-    if (torch.is_grad_enabled() and gate_up.requires_grad) or (
+    # training (CPU grouped_mm has no backward) and small batches take the dense path; the choice is
+    # made on the full stack's shapes, so packed and dequantised-at-load experts take the same path
+    weight_bytes = (math.prod(gate_up.shape) + math.prod(down.shape)) * torch.empty((), dtype=gate_up.dtype).element_size()
+    dense = (torch.is_grad_enabled() and getattr(gate_up, "requires_grad", False)) or (
             x.shape[0] * idx.shape[1] >= n_exp and weight_bytes <= DENSE_WEIGHT_BYTES
-            and x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT):
+            and x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT)
+    if isinstance(gate_up, PackedExperts):
+        used = torch.unique(idx)  # sync-ok: sorted expert ids; the packed form is host-only for now
+        remap = torch.full((n_exp,), -1, dtype=idx.dtype, device=idx.device)
+        remap[used] = torch.arange(used.numel(), dtype=idx.dtype, device=idx.device)
+        idx, gate_up, down = remap[idx], gate_up.take(used), down.take(used)
+    if dense:
         return _dense_experts(x, idx, weights, gate_up, down, limit)
     return _grouped_experts(x, idx, weights, gate_up, down, limit)
 

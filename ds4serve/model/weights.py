@@ -186,20 +186,31 @@ def _is_packed_fp4(t: torch.Tensor) -> bool:
     return t.dtype in (torch.int8, torch.uint8) or t.dtype == getattr(torch, "float4_e2m1fn_x2", None)
 
 
+def _fp4_byte_table() -> torch.Tensor:
+    """byte -> (value of the low nibble, value of the high nibble): one gather decodes two inputs."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    b = torch.arange(256)
+    return torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)
+
+
+_FP4_PAIRS = _fp4_byte_table()
+
+
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "?") -> torch.Tensor:
     """MXFP4 ``packed [..., out, in / 2]`` (two E2M1 codes per byte, the low nibble is the even
     input) times one scale per block of inputs ``scale [..., out, in / block]`` -> fp32
     ``[..., out, in]``. Scales are UE8M0 (``float8_e8m0fnu``, or raw bytes meaning
-    ``2 ** (byte - 127)``) or plain floats."""
+    ``2 ** (byte - 127)``) or plain floats. Each value is one table entry times its block's scale
+    (one fp32 product, so any evaluation order gives the same bits)."""
     codes = packed.contiguous().view(torch.uint8)
-    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    values = torch.stack((lut[(codes & 0xF).long()], lut[(codes >> 4).long()]), dim=-1).flatten(-2)
+    table = _FP4_PAIRS.to(codes.device)
     s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
-    in_dim = values.shape[-1]
-    if s.shape[:-1] != values.shape[:-1] or s.shape[-1] < 1 or in_dim % s.shape[-1]:
+    in_dim = 2 * codes.shape[-1]
+    if s.shape[:-1] != codes.shape[:-1] or s.shape[-1] < 1 or in_dim % s.shape[-1]:
         raise CheckpointError(f"{name}: FP4 scale shape {list(s.shape)} does not fit packed weight "
                               f"{list(packed.shape)} ({in_dim} inputs)")
-    return values * s.repeat_interleave(in_dim // s.shape[-1], dim=-1)
+    values = table.index_select(0, codes.reshape(-1).int()).view(*s.shape, in_dim // s.shape[-1])
+    return values.mul_(s.unsqueeze(-1)).view(*codes.shape[:-1], in_dim)  # values is a fresh gather
 
 
 def _scaled_weight(src: _Source, name: str) -> str | None:
@@ -227,15 +238,17 @@ def _scale_name(src: _Source, weight_name: str) -> str | None:
 
 def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     dtype: torch.dtype, device: torch.device | str, progress: bool = True,
-                    fp8_block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
-    """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (shape, dtype))."""
+                    fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (shape, dtype)).
+    ``packed_experts``: quantised routed experts (official per-expert tensors) stay packed
+    (``packed.PackedExperts`` values instead of tensors)."""
     src = _Source(checkpoint_files(Path(path)))
     src.fp8_block = fp8_block
     plan, experts, scales, ignored, unknown = _plan(src)
     if ignored:
         log.info("ignoring %d checkpoint tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
     loaders: dict[str, Callable[[], torch.Tensor]] = {hf: _single_loader(src, name) for hf, name in plan.items()}
-    stacked = _expert_loaders(src, experts, expected, dtype, torch.device(device))
+    stacked = _expert_loaders(src, experts, expected, dtype, torch.device(device), packed_experts)
     loaders.update(stacked)
 
     problems = _compare(src, plan, experts, expected, unknown)
@@ -246,7 +259,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     t0 = time.perf_counter()
     out = _materialise(loaders, stacked, expected, targets, device, progress)
     seconds = time.perf_counter() - t0
-    nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    nbytes = sum(_nbytes(t) for t in out.values())
     log.info("loaded %d tensors, %.3g GiB in %.2f s (%.2f GiB/s) from %s", len(out), nbytes / 2**30, seconds,
              nbytes / 2**30 / max(seconds, 1e-9), path)
     return out
@@ -268,8 +281,12 @@ def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked: dict, 
                 out[hf] = t
             else:  # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
                 out[hf] = t.to(device=device, dtype=targets[hf], copy=True).reshape(expected[hf][0])
-            bar.update(out[hf].numel() * out[hf].element_size())
+            bar.update(_nbytes(out[hf]))
     return out
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if not isinstance(t, torch.Tensor) else t.numel() * t.element_size()
 
 
 def _target_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
@@ -330,11 +347,12 @@ def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
 
 def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
                     expected: dict[str, tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype,
-                    device: torch.device) -> dict[str, Callable]:
+                    device: torch.device, packed: bool = False) -> dict[str, Callable]:
     """Stack official per-expert tensors into HF's ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``,
     written expert by expert into a tensor allocated once on the target device in the target dtype:
     host memory holds one dequantised expert at a time, not a layer's experts in fp32 twice over
-    (for Flash that would be ~34 GB per layer)."""
+    (for Flash that would be ~34 GB per layer). With ``packed``, quantised experts are stacked as
+    they are stored instead (``_packed_loader``)."""
 
     def fill(hf: str, part: Callable[[int], torch.Tensor]) -> torch.Tensor:
         shape = expected[hf][0]
@@ -349,6 +367,11 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     for layer, pieces in experts.items():
         prefix = f"model.layers.{layer}.mlp.experts."
+        fmt = _packed_format(src, pieces[(0, "w1")]) if packed and (0, "w1") in pieces else None
+        if fmt is not None:
+            for hf, kinds in ((prefix + "gate_up_proj", ("w1", "w3")), (prefix + "down_proj", ("w2",))):
+                loaders[hf] = _packed_loader(src, pieces, kinds, fmt, expected[hf][0], dtype, device, hf)
+            continue
 
         def gate_up(pieces=pieces, hf=prefix + "gate_up_proj"):
             return fill(hf, lambda j: torch.cat((piece(pieces[(j, "w1")]), piece(pieces[(j, "w3")]))))
@@ -359,6 +382,29 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
         loaders[prefix + "gate_up_proj"] = gate_up
         loaders[prefix + "down_proj"] = down
     return loaders
+
+
+def _packed_format(src: _Source, name: str) -> str | None:
+    """"mxfp4" / "fp8" when ``name`` is a quantised tensor with its scale, else None (kept as today)."""
+    kind = src.dtype(name)
+    if _scale_name(src, name) is None:
+        return None
+    if kind in _FP4_STORAGE:
+        return "mxfp4"
+    if kind in ("F8_E4M3", "F8_E5M2"):
+        return "fp8"
+    return None
+
+
+def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str):
+    from .packed import PackedExperts, stack_parts  # packed.py imports this module's dequantisers
+
+    def load():
+        per_expert = [[(src.get(pieces[(j, k)]), src.get(_scale_name(src, pieces[(j, k)]))) for k in kinds]
+                      for j in range(shape[0])]
+        return PackedExperts(fmt, stack_parts(per_expert, device), shape, dtype, src.fp8_block, hf)
+
+    return load
 
 
 def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str]) -> list[str]:

@@ -6,8 +6,9 @@ in the middle) whether it fits, what takes the memory, and what would fit instea
 * **weights**, by kind (routed experts of the main layers, shared experts, attention and the rest of
   the layers, embeddings + LM head, the vision tower), at the dtype ds4serve loads them with: every
   floating tensor in the model dtype except the few kept in fp32 (``weights._keeps_fp32``), integer
-  buffers as they are. Routed experts are *dequantised at load* today, so a checkpoint's MXFP4
-  experts (4.25 bits each) take 16 bits in bf16; the plan also says what they would take packed.
+  buffers as they are. Routed experts are dequantised at load by default, so a checkpoint's MXFP4
+  experts (4.25 bits each) take 16 bits in bf16; with ``packed_experts`` (``serve --packed-experts``)
+  they stay at their packed size.
   MTP layers are listed apart: ds4serve does not load them.
 * **state**: each sequence slot's fixed rings (``StateLayout.bytes_per_slot``), its pass staging
   (``staging_rows x hc x D``), and its pages for ``max_model_len`` tokens (compressed + indexer
@@ -69,6 +70,7 @@ class WeightPlan:
     routed_params: int  # routed-expert parameters of the main layers
     packed_format: str | None  # the checkpoint's expert format when known ("fp4", "fp8")
     mtp_layers: int
+    packed: bool = False  # routed experts kept packed (``serve --packed-experts``)
 
     @property
     def total(self) -> int:
@@ -80,8 +82,9 @@ class WeightPlan:
         return None if bits is None else int(self.routed_params * bits / 8)
 
 
-def plan_weights(cfg: ModelConfig, dtype: torch.dtype) -> WeightPlan:
-    """Bytes of every tensor ds4serve instantiates, by kind, without allocating (meta tensors)."""
+def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = False) -> WeightPlan:
+    """Bytes of every tensor ds4serve instantiates, by kind, without allocating (meta tensors); with
+    ``packed_experts`` and a known expert format, routed experts at their packed size."""
     tensors = dict(expected_tensors(cfg))
     if cfg.vision.enabled:
         tensors.update(expected_vision_tensors(cfg))
@@ -96,8 +99,13 @@ def plan_weights(cfg: ModelConfig, dtype: torch.dtype) -> WeightPlan:
                 n *= s
             routed += n
     raw = cfg.raw
-    fmt = raw.get("expert_dtype") or ((raw.get("quantization_config") or {}).get("quant_method"))
-    return WeightPlan(by_kind, routed, str(fmt).lower() if fmt else None, int(raw.get("num_nextn_predict_layers") or 0))
+    quant = raw.get("quantization_config") or {}
+    fmt = raw.get("expert_dtype") or quant.get("expert_dtype") or quant.get("quant_method")
+    plan = WeightPlan(by_kind, routed, str(fmt).lower() if fmt else None, int(raw.get("num_nextn_predict_layers") or 0),
+                      packed_experts and PACKED_BITS.get(str(fmt).lower() if fmt else "") is not None)
+    if plan.packed:
+        by_kind["routed experts"] = plan.routed_packed
+    return plan
 
 
 @dataclass(frozen=True)
@@ -140,13 +148,14 @@ class CapacityPlan:
 
 
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_len: int | None = None,
-                  max_prefill_tokens: int = 1024, min_prefill_tokens: int = 16) -> CapacityPlan:
+                  max_prefill_tokens: int = 1024, min_prefill_tokens: int = 16,
+                  packed_experts: bool = False) -> CapacityPlan:
     """The plan for one device with ``memory`` bytes (see the module doc)."""
     if memory <= 0:
         raise ConfigError(f"memory must be positive, got {memory}")
     max_len = min(max_model_len or 8192, cfg.max_position_embeddings)
     layout = StateLayout.build(cfg, dtype)
-    weights = plan_weights(cfg, dtype)
+    weights = plan_weights(cfg, dtype, packed_experts)
     elem = torch.empty((), dtype=dtype).element_size()
     rows = max_chunk_len(max_prefill_tokens, min_prefill_tokens, cfg.vision.max_n_token if cfg.vision.enabled else 0)
     stream = cfg.hc_mult * cfg.hidden_size * elem
@@ -162,20 +171,25 @@ def _advice(p: CapacityPlan) -> list[str]:
     out = []
     w = p.weights
     packed = w.routed_packed
-    if packed is not None:
+    if w.packed:
+        out.append(f"routed experts kept packed ({w.packed_format}, --packed-experts): {_gib(packed)}; "
+                   "dequantised only for the experts a step uses (host only for now)")
+    elif packed is not None:
         loaded = w.by_kind.get("routed experts", 0)
         out.append(f"routed experts are dequantised at load ({_gib(loaded)}); kept packed as the checkpoint "
-                   f"stores them ({w.packed_format}) they would take {_gib(packed)}: not built yet (issue 16)")
+                   f"stores them ({w.packed_format}, serve --packed-experts, host only for now) they take "
+                   f"{_gib(packed)}")
     if w.mtp_layers:
         out.append(f"{w.mtp_layers} MTP layer(s) in the checkpoint are not loaded (no speculative decoding yet)")
     if not p.fits:
         need = w.total + p.activations + p.per_sequence
         out.append(f"does not fit: one sequence of {p.max_model_len} tokens needs {_gib(need)} on one device, "
                    f"{_gib(p.memory)} given")
-        if packed is not None:
+        if packed is not None and not w.packed:
             need_packed = need - w.by_kind.get("routed experts", 0) + packed
-            out.append(f"with packed experts it would need {_gib(need_packed)} "
-                       f"({-(-need_packed // p.memory)} devices of this size with expert parallel)")
+            out.append(f"with --packed-experts it needs {_gib(need_packed)}")
+        out.append("tensor / expert parallel over several devices of this size would hold it: not built yet "
+                   "(issue 16)")
     return out
 
 
@@ -214,12 +228,13 @@ def device_memory(device: torch.device) -> int:
 
 
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               max_prefill_tokens: int = 1024) -> CapacityPlan:
+               max_prefill_tokens: int = 1024, packed_experts: bool = False) -> CapacityPlan:
     """The start-up check: log the plan, refuse (``ConfigError`` with the plan) before loading anything
     when the weights and one sequence cannot fit on ``device``."""
     import logging
 
-    plan = plan_capacity(cfg, dtype, device_memory(device), max_model_len, max_prefill_tokens)
+    plan = plan_capacity(cfg, dtype, device_memory(device), max_model_len, max_prefill_tokens,
+                         packed_experts=packed_experts)
     log = logging.getLogger(__name__)
     if not plan.fits:
         raise ConfigError(f"the model does not fit on {device}:\n{render_plan(plan)}")

@@ -231,13 +231,15 @@ class EngineCore:
 
 
 def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
-              vision_device: str | None = None, extra_eos: Sequence[int] = ()) -> EngineCore:
+              vision_device: str | None = None, extra_eos: Sequence[int] = (),
+              packed_experts: bool = False) -> EngineCore:
     """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model).
     A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``)."""
     s = settings or EngineSettings()
     check_fits(ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device), s.max_model_len,
-               s.max_prefill_tokens)
-    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device)
+               s.max_prefill_tokens, packed_experts)
+    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device,
+                            packed_experts=packed_experts)
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
     return EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos)
 

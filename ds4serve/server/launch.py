@@ -41,10 +41,10 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
                 served_name: str | None = None,
                 random_weights: bool = False, vision_device: str | None = None,
-                image_hosts: tuple[str, ...] = ()) -> ServerState:
+                image_hosts: tuple[str, ...] = (), packed_experts: bool = False) -> ServerState:
     tokenizer = Tokenizer(model_dir)
     core = load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
-                     extra_eos=(tokenizer.eos_id,))
+                     extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts)
     name = served_name or model_dir.name
     state = ServerState(loop=EngineLoop(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
                         api_key=api_key, api_keys=api_keys, random_weights=random_weights)

@@ -1,0 +1,85 @@
+"""Routed experts kept in the checkpoint's own format (MXFP4 or block-scaled FP8) until a step uses them.
+
+DS4-Flash's routed experts are 277B of its 284B parameters; stored as MXFP4 (4.25 bits each) they take
+~137 GiB, dequantised to bf16 at load ~516 GiB. ``PackedExperts`` holds one layer's stack
+(``gate_up [E, 2I, D]`` or ``down [E, D, I]``) as codes + scales and dequantises only the experts a
+step routes to, with the loader's own arithmetic (``weights.dequant_mxfp4`` / ``dequant_fp8``, then
+the model dtype), so a step computes on exactly the values the dequantise-at-load path would hold.
+Nothing dequantised outlives the call that made it.
+
+A stack may be several parts concatenated along the rows (gate and up are separate checkpoint tensors,
+and an FP8 block can straddle their boundary, so each keeps its own scales).
+
+This is the host (torch) form; on CUDA a fused Triton kernel is the intended form (not built yet), so
+the loader accepts packed experts on CPU only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .weights import dequant_fp8, dequant_mxfp4
+
+FORMATS = ("mxfp4", "fp8")
+
+
+@dataclass
+class PackedPart:
+    codes: torch.Tensor  # [E, rows, cols / 2] uint8 (MXFP4) or [E, rows, cols] float8 (FP8)
+    scales: torch.Tensor  # [E, rows, cols / 32] (MXFP4) or [E, ceil(rows / b0), ceil(cols / b1)] (FP8)
+
+
+class PackedExperts:
+    def __init__(self, fmt: str, parts: list[PackedPart], shape: tuple[int, int, int], dtype: torch.dtype,
+                 fp8_block: tuple[int, int] = (128, 128), name: str = "?"):
+        if fmt not in FORMATS:
+            raise ValueError(f"packed expert format must be one of {FORMATS}, got {fmt!r}")
+        self.fmt, self.parts, self.shape, self.dtype = fmt, parts, tuple(shape), dtype
+        self.fp8_block, self.name = fp8_block, name
+        self.device = parts[0].codes.device
+
+    @property
+    def n_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes (codes and scales)."""
+        return sum(t.numel() * t.element_size() for p in self.parts for t in (p.codes, p.scales))
+
+    def take(self, experts: torch.Tensor) -> torch.Tensor:
+        """The dequantised weights of ``experts`` (sorted unique expert ids) -> ``[len, rows, cols]``."""
+        pieces = []
+        every = experts.numel() == self.n_experts  # callers pass sorted unique ids: then it is all of them
+        for p in self.parts:
+            codes, scales = (p.codes, p.scales) if every else (p.codes.index_select(0, experts),
+                                                                p.scales.index_select(0, experts))
+            if self.fmt == "mxfp4":
+                pieces.append(dequant_mxfp4(codes, scales, self.name))
+            else:
+                pieces.append(dequant_fp8(codes, scales, self.fp8_block, self.name))
+        full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+        return full.to(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"PackedExperts({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB resident)"
+
+
+def stack_parts(per_expert: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device) -> list[PackedPart]:
+    """``per_expert[e][k] = (codes, scales)`` of part ``k`` of expert ``e`` -> one stacked part per ``k``."""
+    n_parts = len(per_expert[0])
+    out = []
+    for k in range(n_parts):
+        codes = torch.stack([_as_codes(e[k][0]) for e in per_expert]).to(device)
+        scales = torch.stack([e[k][1] for e in per_expert]).to(device)
+        out.append(PackedPart(codes, scales))
+    return out
+
+
+def _as_codes(t: torch.Tensor) -> torch.Tensor:
+    """FP4 codes as uint8 bytes whatever dtype the checkpoint used (int8, uint8, float4_e2m1fn_x2)."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t
+    return t.contiguous().view(torch.uint8)

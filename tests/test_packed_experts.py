@@ -1,0 +1,79 @@
+"""Routed experts kept packed (issue 16): the same numbers as dequantise-at-load, a fraction of the bytes.
+
+MXFP4 and FP8 checkpoints are made by the quantisers of ``test_weights`` (written independently of the
+loader); the packed model must give bit-identical logits and greedy tokens to the dequantised one on
+the same checkpoint, hold its experts in < 35% of the bytes (MXFP4), and leave no dequantised copy.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import APPENDIX_A, write_config
+from ds4serve.llm import LLM
+from ds4serve.model.packed import PackedExperts
+from model_helpers import random_ids
+from test_weights import _quantize_fp8, _quantize_mxfp4
+
+EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def _checkpoint(ckpt_factory, tmp_path, fmt: str):
+    _, path = ckpt_factory("A")
+    tensors = load_file(str(path / "model.safetensors"))
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [48, 48]}
+    for k in [k for k in tensors if EXPERT.search(k)]:
+        if fmt == "mxfp4":
+            codes, exps = _quantize_mxfp4(tensors[k])
+            tensors[k], tensors[k[:-len(".weight")] + ".scale"] = codes.view(torch.int8), exps
+        else:
+            q, s = _quantize_fp8(tensors[k], 48)  # block 48: FP8 blocks straddle the gate / up boundary
+            tensors[k], tensors[k[:-len(".weight")] + ".scale"] = q, s
+    d = tmp_path / fmt
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    write_config(d, dict(APPENDIX_A, quantization_config=dict(quant, **({"expert_dtype": "fp4"} if fmt == "mxfp4" else {}))))
+    return d
+
+
+def _stacks(llm: LLM) -> dict[str, object]:
+    return {f"{i}.{n}": getattr(layer.mlp.experts, n) for i, layer in enumerate(llm.model.model.layers)
+            for n in ("gate_up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_packed_experts_equal_dequantise_at_load(ckpt_factory, tmp_path, fmt):
+    d = _checkpoint(ckpt_factory, tmp_path, fmt)
+    loaded, packed = LLM(d, max_seqs=4), LLM(d, max_seqs=4, packed_experts=True)
+    full, kept = _stacks(loaded), _stacks(packed)
+    for name, stack in kept.items():
+        assert isinstance(stack, PackedExperts), name
+        assert torch.equal(stack.take(torch.arange(stack.n_experts)), full[name]), name  # same values
+    ids = random_ids(60, 1000, seed=3)
+    assert torch.equal(packed.prompt_logits(ids), loaded.prompt_logits(ids))
+    prompts = [random_ids(n, 1000, seed=n) for n in (5, 17, 40, 9)]
+    assert packed.generate(prompts, max_tokens=12) == loaded.generate(prompts, max_tokens=12)
+    resident = sum(s.nbytes for s in kept.values())
+    dequantised = sum(t.numel() * t.element_size() for t in full.values())
+    limit = 0.35 if fmt == "mxfp4" else 0.30  # fp32 model: FP4 is 4.25/32, FP8 8.x/32
+    assert resident < limit * dequantised, (resident, dequantised)
+    if fmt == "mxfp4":  # the capacity plan's packed size is what is resident
+        from ds4serve.runtime.capacity import plan_weights
+
+        planned = plan_weights(loaded.cfg, torch.float32, packed_experts=True).by_kind["routed experts"]
+        assert abs(planned - resident) <= 0.05 * resident, (planned, resident)
+        assert plan_weights(loaded.cfg, torch.float32).by_kind["routed experts"] == dequantised
+
+
+def test_packed_experts_are_host_only_and_skipped_for_unquantised_checkpoints(ckpt_factory):
+    _, path = ckpt_factory("A")
+    plain = LLM(path, packed_experts=True)  # fp32 experts: nothing to keep packed, loaded as today
+    assert all(isinstance(s, torch.Tensor) for s in _stacks(plain).values())
+    from ds4serve.model.loader import load_model
+
+    with pytest.raises(ValueError, match="host only"):
+        load_model(path, device="meta", packed_experts=True)
