@@ -77,3 +77,23 @@ def test_packed_experts_are_host_only_and_skipped_for_unquantised_checkpoints(ck
 
     with pytest.raises(ValueError, match="host only"):
         load_model(path, device="meta", packed_experts=True)
+
+
+def test_packed_experts_in_bounded_groups_match_within_rounding(ckpt_factory, tmp_path, monkeypatch):
+    """A step whose experts exceed the dequantisation bound runs them in groups (here one expert at a
+    time): the same answer up to fp32 rounding, never a whole dequantised stack."""
+    from ds4serve.model import moe
+
+    d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
+    loaded, packed = LLM(d, max_seqs=4), LLM(d, max_seqs=4, packed_experts=True)
+    taken = []
+    stack = _stacks(packed)["2.gate_up_proj"]
+    one = stack.shape[1] * stack.shape[2] * 4
+    monkeypatch.setattr(moe, "PACKED_TILE_BYTES", 2 * one)  # gate_up + down of one expert < 2 gate_ups
+    original = PackedExperts.take
+    monkeypatch.setattr(PackedExperts, "take", lambda self, e: taken.append(e.numel()) or original(self, e))
+    monkeypatch.setattr(moe, "DENSE_WEIGHT_BYTES", 0)  # the grouped path, which groups apply to
+    ids = random_ids(60, 1000, seed=4)
+    got, want = packed.prompt_logits(ids), loaded.prompt_logits(ids)
+    assert max(taken) == 1 and len(taken) > 8
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), (got - want).abs().max()

@@ -96,10 +96,7 @@ def run_experts(
             x.shape[0] * idx.shape[1] >= n_exp and weight_bytes <= DENSE_WEIGHT_BYTES
             and x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT)
     if isinstance(gate_up, PackedExperts):
-        used = torch.unique(idx)  # sync-ok: sorted expert ids; the packed form is host-only for now
-        remap = torch.full((n_exp,), -1, dtype=idx.dtype, device=idx.device)
-        remap[used] = torch.arange(used.numel(), dtype=idx.dtype, device=idx.device)
-        idx, gate_up, down = remap[idx], gate_up.take(used), down.take(used)
+        return _packed_experts(x, idx, weights, gate_up, down, limit, dense)
     if dense:
         return _dense_experts(x, idx, weights, gate_up, down, limit)
     return _grouped_experts(x, idx, weights, gate_up, down, limit)
@@ -119,20 +116,53 @@ def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
 
 @torch.compiler.disable
 def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
-    n_tok, top_k = idx.shape
+    top_k = idx.shape[1]
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+    return _grouped_pairs(x, tokens, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit)
+
+
+def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit) -> torch.Tensor:
+    """(token, expert, weight) pairs, sorted by expert (stable), through two grouped GEMMs."""
     n_exp = gate_up.shape[0]
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of = order // top_k
+    order = torch.argsort(experts, stable=True)
+    token_of = tokens.index_select(0, order)
     x_sorted = x.index_select(0, token_of)
     # a scatter-add, not bincount: CUDA's bincount reads the max on the host, which a captured graph forbids
-    counts = torch.zeros(n_exp, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(n_exp, dtype=experts.dtype, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
     h = grouped_linear(x_sorted, gate_up, counts)
     g, u = h.chunk(2, dim=-1)
     y = grouped_linear(swiglu(g, u, limit), down, counts)
-    y = y * weights.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(-1)
+    y = y * weights.index_select(0, order).to(y.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     return out.index_add_(0, token_of, y)
+
+
+# packed experts are dequantised this many bytes at a time at most (a Flash expert is 100 MB in fp32)
+PACKED_TILE_BYTES = 512 << 20
+
+
+def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts, limit, dense: bool):
+    """Only the routed experts dequantised, in groups of at most ``PACKED_TILE_BYTES``. One group (every
+    model whose step's experts fit) computes exactly what the dequantised stack would: the same path
+    on the same values. Several groups add their partial sums per token (fp32 rounding may differ)."""
+    used = torch.unique(idx)  # sync-ok: sorted expert ids; the packed form is host-only for now
+    n_exp = gate_up.n_experts
+    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * torch.empty((), dtype=gate_up.dtype).element_size()
+    group = max(1, PACKED_TILE_BYTES // each)
+    out = None
+    for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
+        ids = used[start:start + group]
+        remap = torch.full((n_exp,), -1, dtype=idx.dtype, device=idx.device)
+        remap[ids] = torch.arange(ids.numel(), dtype=idx.dtype, device=idx.device)
+        sub, gu, dn = remap[idx], gate_up.take(ids), down.take(ids)
+        if ids.numel() == used.numel():
+            return (_dense_experts if dense else _grouped_experts)(x, sub, weights, gu, dn, limit)
+        keep = (sub >= 0).reshape(-1)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])[keep]
+        part = _grouped_pairs(x, tokens, sub.reshape(-1)[keep], weights.reshape(-1)[keep], gu, dn, limit)
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
