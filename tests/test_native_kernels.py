@@ -95,3 +95,31 @@ def test_rope_falls_back_where_the_table_does_not_match():
     rot = rope.rotations(torch.arange(1), torch.ones(4))  # one row of rotations for four tokens: broadcast
     assert native.rope_native(x, rot, False) is None
     assert native.rope_native(x.double(), rope.rotations(torch.arange(4), torch.ones(4)), False) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.integers(1, 3), rows=st.integers(1, 40), blocks=st.integers(1, 6), block=st.sampled_from([2, 16, 32]),
+       seed=st.integers(0, 2**31 - 1), extreme=st.booleans())
+def test_mxfp4_dequantisation_is_bit_equal_to_the_torch_form(lead, rows, blocks, block, seed, extreme):
+    from ds4serve.model.weights import dequant_mxfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (lead, rows, blocks * block // 2), generator=gen, dtype=torch.uint8)
+    lo, hi = (0, 256) if extreme else (100, 150)  # 0 and 255: 2^-127 (subnormal) and 2^128 (inf)
+    scales = torch.randint(lo, hi, (lead, rows, blocks), generator=gen, dtype=torch.uint8)
+    fast = native.mxfp4_native(codes, scales)
+    native.enabled = False
+    try:
+        slow = dequant_mxfp4(codes, scales)
+    finally:
+        native.enabled = True
+    assert fast is not None and fast.shape == slow.shape
+    assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))  # bits, so -0.0 and inf count too
+    assert torch.equal(dequant_mxfp4(codes, scales).view(torch.int32), slow.view(torch.int32))
+
+
+def test_mxfp4_native_declines_what_it_does_not_handle():
+    codes = torch.zeros(2, 4, dtype=torch.uint8)
+    assert native.mxfp4_native(codes, torch.ones(2, 1)) is None  # float scales: the torch form
+    assert native.mxfp4_native(codes, torch.zeros(2, 3, dtype=torch.uint8)) is None  # 8 inputs, 3 blocks
+    assert native.mxfp4_native(codes.view(torch.int8), torch.zeros(2, 1, dtype=torch.uint8)) is None

@@ -7,7 +7,8 @@ loop costs one call. The kernel is written to compute *exactly* what the torch f
 normaliser is ``eps + the in-order sum``, which is what ``baddbmm(eps, ones, m)`` adds; no
 reassociation, no contraction), and a test checks the two are bit-equal.
 
-The C source lives here; it is compiled on first use into ``cache_root()/native/<hash>/`` (about
+Also MXFP4 dequantisation for packed experts (``packed.py``), one C loop instead of a table gather
+over an int32 copy of the codes. The C source lives here; it is compiled on first use into ``cache_root()/native/<hash>/`` (about
 0.1 s: no torch headers), so a restart, or another process, loads the built library. Where no C
 compiler exists or the build fails, the torch form is used, and that is logged once.
 """
@@ -71,9 +72,34 @@ void ds4_rope_f32(float *x, const float *rot, long n, long h, long dim, long hal
         }
     }
 }
+
+/* MXFP4 dequantisation: codes [rows, half] (two E2M1 codes per byte, the low nibble first) times
+   2^(scale byte - 127) per block of inputs, into out [rows, 2 * half]; each output is one table value
+   times its block's power of two (one fp32 product, as the torch form computes it). */
+void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long half,
+                   long block) {
+    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    float pairs[512]; /* byte -> (low nibble's value, high nibble's value) */
+    for (int b = 0; b < 256; b++) { pairs[2 * b] = lut[b & 15]; pairs[2 * b + 1] = lut[b >> 4]; }
+    long n_blocks = 2 * half / block, per = block / 2;
+    for (long r = 0; r < rows; r++) {
+        const unsigned char *c = codes + r * half;
+        float *o = out + r * 2 * half;
+        for (long b = 0; b < n_blocks; b++) {
+            float s = ldexpf(1.0f, (int)scales[r * n_blocks + b] - 127);
+            for (long j = b * per; j < (b + 1) * per; j++) {
+                const float *p = pairs + 2 * c[j];
+                o[2 * j] = p[0] * s;
+                o[2 * j + 1] = p[1] * s;
+            }
+        }
+    }
+}
 """
 # IEEE arithmetic exactly as written: no fast-math, no fused multiply-add contraction
 _FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+_LIBS = ["-lm"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -94,7 +120,8 @@ def _build(root: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src, built = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
         src.write_text(_SOURCE)
-        done = subprocess.run([cc, *_FLAGS, "-o", str(built), str(src)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([cc, *_FLAGS, "-o", str(built), str(src), *_LIBS], capture_output=True, text=True,
+                              timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
         os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
@@ -115,6 +142,8 @@ def library() -> ctypes.CDLL | None:
                 lib.ds4_sinkhorn_f32.restype = None
                 lib.ds4_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
                 lib.ds4_rope_f32.restype = None
+                lib.ds4_mxfp4_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+                lib.ds4_mxfp4_f32.restype = None
                 _lib = lib
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failure = f"{type(exc).__name__}: {exc}"
@@ -155,4 +184,27 @@ def rope_native(x: torch.Tensor, rot: torch.Tensor, inverse: bool) -> torch.Tens
     table = torch.view_as_real(rot.resolve_conj()).contiguous()
     n, dim, half = out.shape[0], out.shape[-1], rot.shape[1]
     lib.ds4_rope_f32(out.data_ptr(), table.data_ptr(), n, out.numel() // max(1, n * dim), dim, half, int(inverse))
+    return out
+
+
+def mxfp4_native(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``dequant_mxfp4`` for uint8 ``codes [..., out, in / 2]`` and uint8 exponent ``scales [..., out,
+    in / block]`` by the C kernel (fp32; into ``out`` when given, a contiguous tensor of the result's
+    shape), or ``None`` where it does not apply."""
+    if not enabled or codes.device.type != "cpu" or codes.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+            or torch.compiler.is_compiling() or scales.shape[:-1] != codes.shape[:-1] or scales.shape[-1] < 1 \
+            or (2 * codes.shape[-1]) % scales.shape[-1] or (2 * codes.shape[-1] // scales.shape[-1]) % 2:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    c, s = codes.contiguous(), scales.contiguous()
+    half = c.shape[-1]
+    shape = (*c.shape[:-1], 2 * half)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        return None
+    rows = c.numel() // max(1, half)
+    lib.ds4_mxfp4_f32(c.data_ptr(), s.data_ptr(), out.data_ptr(), rows, half, 2 * half // s.shape[-1])
     return out

@@ -51,6 +51,9 @@ class PackedExperts:
 
     def take(self, experts: torch.Tensor) -> torch.Tensor:
         """The dequantised weights of ``experts`` (sorted unique expert ids) -> ``[len, rows, cols]``."""
+        fast = self._take_native(experts)
+        if fast is not None:
+            return fast
         pieces = []
         every = experts.numel() == self.n_experts  # callers pass sorted unique ids: then it is all of them
         for p in self.parts:
@@ -63,6 +66,25 @@ class PackedExperts:
         full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
         return full.to(self.dtype)
 
+    def _take_native(self, experts: torch.Tensor) -> torch.Tensor | None:
+        """MXFP4 with byte scales on the host: each (expert, part) decoded by the C kernel straight into
+        its rows of one fp32 result (no gather of codes, no concatenation); ``None`` elsewhere."""
+        from .native import mxfp4_native
+
+        if self.fmt != "mxfp4" or self.dtype != torch.float32 or self.device.type != "cpu" \
+                or any(p.scales.dtype != torch.uint8 for p in self.parts):
+            return None
+        ids = experts.tolist()  # sync-ok: host-only path, a handful of expert ids
+        out = torch.empty(len(ids), *self.shape[1:], dtype=torch.float32)
+        for k, e in enumerate(ids):
+            row = 0
+            for p in self.parts:
+                n = p.codes.shape[1]
+                if mxfp4_native(p.codes[e], p.scales[e], out[k, row:row + n]) is None:
+                    return None
+                row += n
+        return out
+
     def __repr__(self) -> str:
         return f"PackedExperts({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB resident)"
 
@@ -73,9 +95,14 @@ def stack_parts(per_expert: list[list[tuple[torch.Tensor, torch.Tensor]]], devic
     out = []
     for k in range(n_parts):
         codes = torch.stack([_as_codes(e[k][0]) for e in per_expert]).to(device)
-        scales = torch.stack([e[k][1] for e in per_expert]).to(device)
+        scales = torch.stack([_as_scale_bytes(e[k][1]) for e in per_expert]).to(device)
         out.append(PackedPart(codes, scales))
     return out
+
+
+def _as_scale_bytes(t: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales as their exponent bytes (what ``dequant_mxfp4`` reads them as); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == getattr(torch, "float8_e8m0fnu", None) else t
 
 
 def _as_codes(t: torch.Tensor) -> torch.Tensor:

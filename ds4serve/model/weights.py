@@ -203,6 +203,13 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "?") ->
     ``2 ** (byte - 127)``) or plain floats. Each value is one table entry times its block's scale
     (one fp32 product, so any evaluation order gives the same bits)."""
     codes = packed.contiguous().view(torch.uint8)
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scale = scale.view(torch.uint8)  # the same exponent byte (0xFF, NaN in E8M0, is never a real scale)
+    from .native import mxfp4_native  # the same products in one C loop, where built
+
+    fast = mxfp4_native(codes, scale)
+    if fast is not None:
+        return fast
     table = _FP4_PAIRS.to(codes.device)
     s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
     in_dim = 2 * codes.shape[-1]
