@@ -210,3 +210,18 @@ def test_token_labels_name_the_shape_under_each_centre_and_every_token_cell():
                 total += 1
                 agree += int(cells[hit[0]] == sh.cell)
     assert agree == total > 40  # a shape's token carries the shape's answer cell
+
+
+def test_training_works_in_a_process_that_served_first():
+    """Regression: a cached index built during an inference-mode forward broke a later backward
+    ("Inference tensors cannot be saved for backward") when the suite ran serving tests first."""
+    from ds4serve.model import mhc
+
+    mhc._scale_index.cache_clear()
+    with torch.inference_mode():
+        mhc._scale_index(3, torch.device("cpu"))
+    streams = torch.randn(2, 3, 8, requires_grad=True)
+    fn, base, scale = torch.randn(15, 24, requires_grad=True), torch.zeros(15), torch.ones(3, requires_grad=True)
+    collapsed, post, comb = mhc.hc_pre(streams, fn, base, scale, 4, 1e-6, 1e-6)
+    (collapsed.sum() + post.sum() + comb.sum()).backward()
+    assert fn.grad is not None and scale.grad is not None

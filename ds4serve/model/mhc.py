@@ -46,8 +46,11 @@ def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
-    """Which of the three scales each mix column uses: ``hc`` pre, ``hc`` post, ``hc*hc`` comb."""
-    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+    """Which of the three scales each mix column uses: ``hc`` pre, ``hc`` post, ``hc*hc`` comb. Made
+    outside inference mode: the cached index must also serve training (``tiny train``) in a process
+    that served first (an inference tensor cannot be saved for backward)."""
+    with torch.inference_mode(False):
+        return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
