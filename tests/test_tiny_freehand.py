@@ -36,12 +36,20 @@ def _band_names(rgb: tuple[int, int, int]) -> list[str]:
     return out
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4))
-def test_every_shape_centred_in_its_answer_cell_inside_the_canvas_and_apart(seed, n):
+def _drawn(seed: int, n: int):
     rng = random.Random(seed)
     scene = random_scene(rng, n)
-    pic = free_picture(rng, scene)
+    return scene, free_picture(rng, scene)
+
+
+DRAWN = st.builds(_drawn, st.integers(0, 2**31 - 1), st.integers(1, 4))  # (scene, picture)
+
+
+@settings(max_examples=40, deadline=None)
+@given(drawn=DRAWN)
+def test_every_shape_centred_in_its_answer_cell_inside_the_canvas_and_apart(drawn):
+    scene, pic = drawn
+    n = len(scene)
     w, h = pic.image.size
     assert 64 <= w <= 640 and 64 <= h <= 640 and max(w, h) <= 4.5 * min(w, h)
     for sh, (cx, cy, r) in zip(scene, pic.spots, strict=True):
@@ -56,11 +64,9 @@ def test_every_shape_centred_in_its_answer_cell_inside_the_canvas_and_apart(seed
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4))
-def test_each_shape_is_drawn_in_an_ink_of_its_colour_name(seed, n):
-    rng = random.Random(seed)
-    scene = random_scene(rng, n)
-    pic = free_picture(rng, scene)
+@given(drawn=DRAWN)
+def test_each_shape_is_drawn_in_an_ink_of_its_colour_name(drawn):
+    scene, pic = drawn
     px = np.asarray(pic.image, dtype=np.int16)
     for sh, ink, (cx, cy, r) in zip(scene, pic.inks, pic.spots, strict=True):
         assert _band_names(ink) == [sh.colour]
