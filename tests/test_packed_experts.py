@@ -97,3 +97,14 @@ def test_packed_experts_in_bounded_groups_match_within_rounding(ckpt_factory, tm
     got, want = packed.prompt_logits(ids), loaded.prompt_logits(ids)
     assert max(taken) == 1 and len(taken) > 8
     assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), (got - want).abs().max()
+
+
+def test_packed_experts_on_an_empty_batch_give_an_empty_result(ckpt_factory, tmp_path):
+    from ds4serve.model.moe import run_experts
+
+    d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
+    stack = _stacks(LLM(d, max_seqs=1, packed_experts=True))
+    x = torch.zeros(0, stack["1.gate_up_proj"].shape[2])
+    out = run_experts(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), stack["1.gate_up_proj"],
+                      stack["1.down_proj"], 10.0)
+    assert out.shape == x.shape

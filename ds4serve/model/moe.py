@@ -150,7 +150,7 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
     n_exp = gate_up.n_experts
     each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * torch.empty((), dtype=gate_up.dtype).element_size()
     group = max(1, PACKED_TILE_BYTES // each)
-    out = None
+    out = torch.zeros_like(x)  # stays zero when no token routes anywhere (an empty batch)
     for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
         ids = used[start:start + group]
         remap = torch.full((n_exp,), -1, dtype=idx.dtype, device=idx.device)
@@ -161,7 +161,7 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
         keep = (sub >= 0).reshape(-1)
         tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])[keep]
         part = _grouped_pairs(x, tokens, sub.reshape(-1)[keep], weights.reshape(-1)[keep], gu, dn, limit)
-        out = part if out is None else out.add_(part)
+        out.add_(part)
     return out
 
 
