@@ -296,6 +296,12 @@ def _nbytes(t) -> int:
     return t.nbytes if not isinstance(t, torch.Tensor) else t.numel() * t.element_size()
 
 
+def loaded_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor ``name`` (meta dtype ``want``) is loaded with under model dtype ``dtype`` (what the
+    capacity plan counts): integer buffers keep theirs, a few precision-critical tensors stay fp32."""
+    return _target_dtype(name, want, dtype)
+
+
 def _target_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     """Integer buffers keep their dtype; a few small precision-critical tensors stay fp32."""
     if not want.is_floating_point:

@@ -5,7 +5,7 @@ in the middle) whether it fits, what takes the memory, and what would fit instea
 
 * **weights**, by kind (routed experts of the main layers, shared experts, attention and the rest of
   the layers, embeddings + LM head, the vision tower), at the dtype ds4serve loads them with: every
-  floating tensor in the model dtype except the few kept in fp32 (``weights._keeps_fp32``), integer
+  floating tensor in the model dtype except the few kept in fp32 (``weights.loaded_dtype``), integer
   buffers as they are. Routed experts are dequantised at load by default, so a checkpoint's MXFP4
   experts (4.25 bits each) take 16 bits in bf16; with ``packed_experts`` (``serve --packed-experts``)
   they stay at their packed size.
@@ -22,6 +22,7 @@ not fit the device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from ..cache import StateLayout
 from ..config import ConfigError, ModelConfig
 from ..model.loader import expected_tensors
 from ..model.vision import expected_vision_tensors
-from ..model.weights import _keeps_fp32
+from ..model.weights import loaded_dtype
 from ..multimodal.chunking import max_chunk_len
 
 GiB = 2**30
@@ -54,14 +55,7 @@ def weight_kind(name: str) -> str:
 
 
 def _loaded_bytes(name: str, shape: tuple[int, ...], meta_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    numel = 1
-    for s in shape:
-        numel *= s
-    if not meta_dtype.is_floating_point:
-        target = meta_dtype
-    else:
-        target = torch.float32 if _keeps_fp32(name) else dtype
-    return numel * torch.empty((), dtype=target).element_size()
+    return math.prod(shape) * torch.empty((), dtype=loaded_dtype(name, meta_dtype, dtype)).element_size()
 
 
 @dataclass(frozen=True)
@@ -94,10 +88,7 @@ def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = Fa
         kind = weight_kind(name)
         by_kind[kind] = by_kind.get(kind, 0) + _loaded_bytes(name, shape, meta_dtype, dtype)
         if kind == "routed experts":
-            n = 1
-            for s in shape:
-                n *= s
-            routed += n
+            routed += math.prod(shape)
     raw = cfg.raw
     quant = raw.get("quantization_config") or {}
     fmt = raw.get("expert_dtype") or quant.get("expert_dtype") or quant.get("quant_method")
