@@ -91,7 +91,7 @@ def run_experts(
     n_exp, two_i, d = gate_up.shape
     # training (CPU grouped_mm has no backward) and small batches take the dense path; the choice is
     # made on the full stack's shapes, so packed and dequantised-at-load experts take the same path
-    weight_bytes = (math.prod(gate_up.shape) + math.prod(down.shape)) * torch.empty((), dtype=gate_up.dtype).element_size()
+    weight_bytes = (math.prod(gate_up.shape) + math.prod(down.shape)) * gate_up.dtype.itemsize
     dense = (torch.is_grad_enabled() and getattr(gate_up, "requires_grad", False)) or (
             x.shape[0] * idx.shape[1] >= n_exp and weight_bytes <= DENSE_WEIGHT_BYTES
             and x.shape[0] * n_exp * 3 * (two_i // 2) * d * 2 <= DENSE_FLOP_LIMIT)
@@ -116,16 +116,15 @@ def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
 
 @torch.compiler.disable
 def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
-    top_k = idx.shape[1]
-    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
-    return _grouped_pairs(x, tokens, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit)
+    return _grouped_pairs(x, None, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, idx.shape[1])
 
 
-def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit) -> torch.Tensor:
-    """(token, expert, weight) pairs, sorted by expert (stable), through two grouped GEMMs."""
+def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k: int = 1) -> torch.Tensor:
+    """(token, expert, weight) pairs, sorted by expert (stable), through two grouped GEMMs. ``tokens``
+    None: the pairs are every token's ``top_k`` routes in order, so a pair's token is its index // top_k."""
     n_exp = gate_up.shape[0]
     order = torch.argsort(experts, stable=True)
-    token_of = tokens.index_select(0, order)
+    token_of = order // top_k if tokens is None else tokens.index_select(0, order)
     x_sorted = x.index_select(0, token_of)
     # a scatter-add, not bincount: CUDA's bincount reads the max on the host, which a captured graph forbids
     counts = torch.zeros(n_exp, dtype=experts.dtype, device=experts.device).scatter_add_(
@@ -148,7 +147,7 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
     on the same values. Several groups add their partial sums per token (fp32 rounding may differ)."""
     used = torch.unique(idx)  # sync-ok: sorted expert ids; the packed form is host-only for now
     n_exp = gate_up.n_experts
-    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * torch.empty((), dtype=gate_up.dtype).element_size()
+    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
     group = max(1, PACKED_TILE_BYTES // each)
     out = torch.zeros_like(x)  # stays zero when no token routes anywhere (an empty batch)
     for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences

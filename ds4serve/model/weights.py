@@ -262,7 +262,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n  " + "\n  ".join(problems))
 
-    targets = {hf: dtype if hf in stacked else _target_dtype(hf, expected[hf][1], dtype) for hf in loaders}
+    targets = {hf: dtype if hf in stacked else loaded_dtype(hf, expected[hf][1], dtype) for hf in loaders}
     t0 = time.perf_counter()
     out = _materialise(loaders, stacked, expected, targets, device, progress)
     seconds = time.perf_counter() - t0
@@ -297,13 +297,9 @@ def _nbytes(t) -> int:
 
 
 def loaded_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """The dtype tensor ``name`` (meta dtype ``want``) is loaded with under model dtype ``dtype`` (what the
-    capacity plan counts): integer buffers keep theirs, a few precision-critical tensors stay fp32."""
-    return _target_dtype(name, want, dtype)
-
-
-def _target_dtype(name: str, want: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """Integer buffers keep their dtype; a few small precision-critical tensors stay fp32."""
+    """The dtype tensor ``name`` (meta dtype ``want``) is loaded with under model dtype ``dtype`` (the
+    capacity plan counts with it too): integer buffers keep theirs, a few precision-critical tensors
+    stay fp32."""
     if not want.is_floating_point:
         return want
     return torch.float32 if _keeps_fp32(name) else dtype

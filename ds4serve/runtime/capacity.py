@@ -55,7 +55,7 @@ def weight_kind(name: str) -> str:
 
 
 def _loaded_bytes(name: str, shape: tuple[int, ...], meta_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=loaded_dtype(name, meta_dtype, dtype)).element_size()
+    return math.prod(shape) * loaded_dtype(name, meta_dtype, dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_l
     max_len = min(max_model_len or 8192, cfg.max_position_embeddings)
     layout = StateLayout.build(cfg, dtype)
     weights = plan_weights(cfg, dtype, packed_experts)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     rows = max_chunk_len(max_prefill_tokens, min_prefill_tokens, cfg.vision.max_n_token if cfg.vision.enabled else 0)
     stream = cfg.hc_mult * cfg.hidden_size * elem
     activations = rows * stream * ACTIVATION_COPIES + rows * cfg.vocab_size * 4 // 16  # logits of sampled rows
