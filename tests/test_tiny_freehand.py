@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4serve.tiny.data import POSITIONS, TRAIN_TASKS, random_scene
-from ds4serve.tiny.freehand import BANDS, EDGE, TEMPLATES, free_examples, free_picture, question
+from ds4serve.tiny.freehand import BANDS, EASY, EDGE, FULL, TEMPLATES, free_examples, free_picture, question
 from ds4serve.tiny.random_model import BUNDLED
 
 
@@ -61,6 +61,34 @@ def test_every_shape_centred_in_its_answer_cell_inside_the_canvas_and_apart(draw
         for j in range(i + 1, n):
             (xa, ya, ra), (xb, yb, rb) = pic.spots[i], pic.spots[j]
             assert math.hypot(xa - xb, ya - yb) > 1.45 * (ra + rb)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4))
+def test_the_curriculums_easy_placement_keeps_shapes_large_and_near_their_cells_middle(seed, n):
+    rng = random.Random(seed)
+    scene = random_scene(rng, n)
+    pic = free_picture(rng, scene, EASY)
+    w, h = pic.image.size
+    lo, hi = EASY.centre
+    for sh, (cx, cy, r) in zip(scene, pic.spots, strict=True):
+        fx, fy = 3 * cx / w, 3 * cy / h
+        assert POSITIONS[int(fy) * 3 + int(fx)] == POSITIONS[sh.cell]
+        assert lo - 1e-9 <= fx - int(fx) <= hi + 1e-9 and lo - 1e-9 <= fy - int(fy) <= hi + 1e-9
+        assert r <= EASY.size[1] * min(w, h) / 3 + 1e-9
+
+
+def test_easy_shapes_are_larger_than_the_full_distributions():
+    def mean_size(where, seed=5):
+        rng = random.Random(seed)
+        sizes = []
+        for _ in range(60):
+            scene = random_scene(rng, 1)
+            pic = free_picture(rng, scene, where)
+            sizes.append(pic.spots[0][2] / (min(pic.image.size) / 3))
+        return sum(sizes) / len(sizes)
+
+    assert mean_size(EASY) > 1.1 * mean_size(FULL)  # 0.44 vs 0.38 of a cell (canvas edges shrink some)
 
 
 @settings(max_examples=40, deadline=None)

@@ -40,6 +40,21 @@ BANDS = {"red": ((-12, 10), (0.65, 1.0), (0.55, 1.0)), "orange": ((20, 38), (0.7
          "blue": ((205, 245), (0.6, 1.0), (0.55, 1.0)), "purple": ((265, 300), (0.5, 0.95), (0.4, 0.8))}
 EDGE = 0.1  # a shape's centre stays this far (in cells) from its cell's edges
 
+
+@dataclass(frozen=True)
+class Placement:
+    """Where in its cell a shape's centre may fall (fractions of the cell) and its half-size range
+    (fractions of the shorter cell side). ``FULL`` is the free-hand distribution; ``EASY`` (large
+    shapes near their cell's middle) is the curriculum's first part: the tiny tower learns shape
+    *kind* on free-hand pictures far faster when it first sees them large."""
+
+    centre: tuple[float, float] = (EDGE, 1 - EDGE)
+    size: tuple[float, float] = (0.2, 0.75)
+
+
+FULL = Placement()
+EASY = Placement(centre=(0.3, 0.7), size=(0.5, 0.75))
+
 TEMPLATES = {
     "colour": ("What colour is the {k}?", "What color is the {k}?", "What's the colour of the {k}?",
                "What is the colour of the {k}?", "What's the color of the {k}?", "What is the color of the {k}?",
@@ -121,14 +136,15 @@ def _outline(kind: str, cx: float, cy: float, r: float, widen: float, tilt: floa
     return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in pts]
 
 
-def _place(rng: random.Random, sh: Shape, w: int, h: int, placed: list[tuple[float, float, float]]):
+def _place(rng: random.Random, sh: Shape, w: int, h: int, placed: list[tuple[float, float, float]],
+           where: Placement = FULL):
     """(cx, cy, r) for ``sh`` inside its cell, clear of ``placed`` and of the canvas edge."""
     row, col = divmod(sh.cell, 3)
     cw, ch = w / 3, h / 3
     for attempt in range(80):
-        cx = (col + rng.uniform(EDGE, 1 - EDGE)) * cw
-        cy = (row + rng.uniform(EDGE, 1 - EDGE)) * ch
-        r = max(3.0, rng.uniform(0.2, 0.75) * min(cw, ch) * 0.97 ** attempt)
+        cx = (col + rng.uniform(*where.centre)) * cw
+        cy = (row + rng.uniform(*where.centre)) * ch
+        r = max(3.0, rng.uniform(*where.size) * min(cw, ch) * 0.97 ** attempt)
         reach = r * 1.45  # tilted squares and wide diamonds reach past r
         if cx - reach < 1 or cy - reach < 1 or cx + reach > w - 2 or cy + reach > h - 2:
             continue
@@ -148,13 +164,13 @@ class FreePicture:
     jpeg: bool
 
 
-def _layout(rng: random.Random, scene: list[Shape]) -> tuple[int, int, list[tuple[float, float, float]]]:
+def _layout(rng: random.Random, scene: list[Shape], where: Placement) -> tuple[int, int, list[tuple[float, float, float]]]:
     """A canvas and a spot for every shape (a canvas too small for the scene is drawn again)."""
     while True:
         w, h = _canvas(rng)
         spots: list[tuple[float, float, float]] = []
         for sh in scene:
-            spot = _place(rng, sh, w, h, spots)
+            spot = _place(rng, sh, w, h, spots, where)
             if spot is None:
                 break
             spots.append(spot)
@@ -162,9 +178,9 @@ def _layout(rng: random.Random, scene: list[Shape]) -> tuple[int, int, list[tupl
             return w, h, spots
 
 
-def free_picture(rng: random.Random, scene: list[Shape]) -> FreePicture:
+def free_picture(rng: random.Random, scene: list[Shape], where: Placement = FULL) -> FreePicture:
     """The scene on a random canvas (see the module doc), after a PNG or JPEG round trip."""
-    w, h, spots = _layout(rng, scene)
+    w, h, spots = _layout(rng, scene, where)
     im = _background(rng, w, h)
     d = ImageDraw.Draw(im)
     inks = []

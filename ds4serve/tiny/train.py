@@ -34,7 +34,7 @@ from ..multimodal.layout import image_block
 from ..multimodal.records import ImageRows, ImageSpan
 from ..multimodal.resize import plan_resize, preprocess
 from .data import SIZE, TASKS, TRAIN_TASKS, Example, examples, messages
-from .freehand import IMAGE_TASKS, free_examples
+from .freehand import EASY, FULL, IMAGE_TASKS, free_examples
 from .tokenizer_train import train_tokenizer
 from .vision_pretrain import pretrain_vision, pretrain_vision_free
 
@@ -92,7 +92,8 @@ class TrainSettings:
     init: Path | None = None  # continue from this ds4serve tiny checkpoint: stage 2 only
     robust_steps: int = 1300  # stage 2b: free-hand pictures and reworded questions
     robust_lr: float = 5e-4
-    free_vision_steps: int = 800  # stage 2a: the tower learns free-hand pictures from dense labels
+    easy_vision_steps: int = 1000  # stage 2a, first part: large shapes near their cells' middles
+    free_vision_steps: int = 4000  # stage 2a: the tower learns free-hand pictures from dense labels
     free_share: float = 0.8  # of stage 2's pictures drawn free hand (the rest by the original renderer)
     held_per_task: int = 24  # teacher-forced held-out questions per task and set, checked every ``eval_every``
     log_every: int = 50
@@ -273,10 +274,7 @@ def train(settings: TrainSettings) -> dict:
     if not settings.init and settings.steps:
         summary["stages"].append(run_stage(run, "base", settings.steps, settings.lr, 0.0))
     if settings.robust_steps:
-        t0 = time.time()
-        stats = pretrain_vision_free(enc, cfg, prep.geometry, settings.free_vision_steps, settings.seed + 11)
-        summary["stages"].append({"name": "free-hand vision", "steps": settings.free_vision_steps,
-                                  "elapsed_s": time.time() - t0, "final": stats})
+        free_vision_stages(run, summary)
         summary["stages"].append(run_stage(run, "robust", settings.robust_steps, settings.robust_lr,
                                            settings.free_share))
     save(out, lm, enc)
@@ -285,6 +283,20 @@ def train(settings: TrainSettings) -> dict:
     summary["elapsed_s"] = sum(st["elapsed_s"] for st in summary["stages"])
     (out / "TRAINING.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def free_vision_stages(run: Run, summary: dict) -> None:
+    """Stage 2a, a curriculum: the tower first on large shapes near their cells' middles (``EASY``),
+    then on the whole free-hand distribution. On the full distribution alone the tiny tower's shape-kind
+    accuracy stayed at 26-40% for thousands of steps; after the easy part it kept rising."""
+    st = run.settings
+    for name, steps, where, seed in (("free-hand vision (easy)", st.easy_vision_steps, EASY, st.seed + 13),
+                                     ("free-hand vision", st.free_vision_steps, FULL, st.seed + 11)):
+        if not steps:
+            continue
+        t0 = time.time()
+        stats = pretrain_vision_free(run.enc, run.cfg, run.prep.geometry, steps, seed, where=where)
+        summary["stages"].append({"name": name, "steps": steps, "elapsed_s": time.time() - t0, "final": stats})
 
 
 def write_folder(out: Path, init: Path | None) -> tuple[Tokenizer, ModelConfig]:

@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from ..model.vision import VisionEncoder
 from ..multimodal.resize import ImageGeometry, preprocess
 from .data import COLOURS, SHAPES, draw, random_scene
-from .freehand import free_picture
+from .freehand import FULL, Placement, free_picture
 
 log = logging.getLogger(__name__)
 LETTERBOX = 9  # the cell label of a token outside the picture
@@ -102,9 +102,11 @@ def token_labels(width: int, height: int, geom: ImageGeometry, scene, spots, pat
 
 
 def pretrain_vision_free(enc: VisionEncoder, cfg: ModelConfig, geometry, steps: int, seed: int,
-                         batch: int = 32, lr: float = 3e-3) -> dict:
-    """Stage 0 on free-hand pictures (module doc). ``geometry(w, h)`` is the server's sizing.
-    Returns the final batch's accuracies (kind+colour on rows holding a shape, cell on every row)."""
+                         batch: int = 32, lr: float = 3e-3, where: Placement = FULL) -> dict:
+    """Stage 0 on free-hand pictures (module doc), shapes placed by ``where`` (the curriculum runs
+    this twice: ``EASY``, then ``FULL``, each with a fresh head and schedule). ``geometry(w, h)`` is
+    the server's sizing. Returns the final batch's accuracies (kind+colour on rows holding a shape,
+    cell on every row)."""
     v = cfg.vision
     n_kind, n_col, n_cell = len(SHAPES) + 1, len(COLOURS) + 1, LETTERBOX + 1
     head = torch.nn.Linear(cfg.hidden_size, n_kind + n_col + n_cell)
@@ -118,7 +120,7 @@ def pretrain_vision_free(enc: VisionEncoder, cfg: ModelConfig, geometry, steps: 
         groups: dict[tuple[int, int], list] = {}
         for _ in range(batch):
             scene = random_scene(rng)
-            pic = free_picture(rng, scene)
+            pic = free_picture(rng, scene, where)
             geom = geometry(*pic.image.size)
             labels = token_labels(*pic.image.size, geom, scene, pic.spots, v.patch_size, v.downsample_ratio)
             groups.setdefault((geom.vit_h, geom.vit_w), []).append((preprocess(pic.image, geom, v.patch_size), labels))
