@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate_and_info(sub)
-    _add_tiny(sub)
+    from .cli_tiny import add_tiny_parser
+
+    add_tiny_parser(sub)
     _add_bench(sub)
     return parser
 
@@ -150,6 +152,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "step uses (CPU only for now; ~13%% of the expert bytes for MXFP4, decode ~1.2-1.35x slower)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks (one process per device: cuda:0..N-1, or N CPU processes over gloo)")
+    serve.add_argument("--enable-expert-parallel", action="store_true", help="whole routed experts per rank")
+    serve.add_argument("--tp-timeout", type=float, default=300.0,
+                       help="seconds a tensor-parallel collective may take before the server stops (a rank died or hangs)")
     serve.add_argument("--allow-image-hosts", default="",
                        help="comma-separated hosts (or *.domain) that http(s) image URLs may come from; "
                             "empty (default): only base64 data: URLs")
@@ -169,37 +176,6 @@ def _add_generate_and_info(sub: argparse._SubParsersAction) -> None:
     from .cli_inspect import add_plan_parser
 
     add_plan_parser(sub)
-
-
-def _add_tiny(sub: argparse._SubParsersAction) -> None:
-    tiny = sub.add_parser("tiny", help="the bundled tiny DS4V model: train it, evaluate it")
-    tsub = tiny.add_subparsers(dest="tiny_command", required=True)
-    tr = tsub.add_parser("train", help="train the tiny DS4V model on CPU (synthetic shapes, math, reversal)")
-    tr.add_argument("--out", type=Path, default=Path("models/ds4v-tiny"))
-    tr.add_argument("--steps", type=int, default=6000)
-    tr.add_argument("--batch", type=int, default=48)
-    tr.add_argument("--lr", type=float, default=1e-3)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--threads", type=int, default=2, help="CPU threads (fixed for reproducibility)")
-    tr.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
-    tr.add_argument("--init", type=Path, default=None,
-                    help="continue from this tiny checkpoint (stage 2 only: free-hand pictures, reworded questions)")
-    tr.add_argument("--free-vision-steps", type=int, default=800,
-                    help="stage 2a: the vision tower on free-hand pictures with per-token labels")
-    tr.add_argument("--robust-steps", type=int, default=1300, help="stage 2b steps (0: the original recipe only)")
-    tr.add_argument("--robust-lr", type=float, default=5e-4)
-    tr.add_argument("--free-share", type=float, default=0.8, help="share of stage 2 pictures drawn free hand")
-    ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
-    ev.add_argument("--model", type=Path, default=None)
-    ev.add_argument("--set", dest="eval_set", choices=("original", "wild", "both"), default="original",
-                    help="original: the training renderer's pictures; wild: an independent renderer (any size, "
-                         "background, position, outlines, JPEG) and paraphrased questions; both: two tables")
-    ev.add_argument("--n", type=int, default=500, help="questions per set")
-    ev.add_argument("--in-flight", type=int, default=16)
-    ev.add_argument("--seed", type=int, default=None,
-                    help="held-out data seed (default: 2 for the original set, 1717 for the wild one; training "
-                         "uses other seeds)")
-    ev.add_argument("--threads", type=int, default=None)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -300,50 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "tiny":
-        return _tiny(args)
+        from .cli_tiny import run_tiny
+
+        return run_tiny(args)
     return _generate(args)
-
-
-def _tiny(args) -> int:
-    import torch
-
-    if args.tiny_command == "train":
-        from .tiny.train import TrainSettings, train
-
-        torch.set_num_threads(args.threads)
-        summary = train(TrainSettings(
-            out=args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, time_limit_s=args.time_limit,
-            init=args.init, free_vision_steps=args.free_vision_steps, robust_steps=args.robust_steps,
-            robust_lr=args.robust_lr, free_share=args.free_share))
-        print(f"trained {args.out} in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
-        return 0
-    from .tiny.evaluate import HELD_OUT_SEED, evaluate
-    from .tiny.random_model import default_model
-    from .tiny.wild_eval import WILD_SEED, evaluate_wild
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = args.model or default_model()[0]
-    llm = None
-    if args.eval_set == "both":  # one loaded model serves both sets
-        from .llm import LLM
-
-        llm = LLM(model, max_seqs=args.in_flight, max_model_len=512)
-    if args.eval_set in ("original", "both"):
-        evaluate(model, n=args.n, in_flight=args.in_flight, seed=_seed(args.seed, HELD_OUT_SEED), llm=llm)
-    if args.eval_set == "both":
-        print()
-    if args.eval_set in ("wild", "both"):
-        evaluate_wild(model, n=args.n, in_flight=args.in_flight, seed=_seed(args.seed, WILD_SEED), llm=llm)
-    return 0
-
-
-def _seed(given: int | None, default: int) -> int:
-    return default if given is None else given
 
 
 def _serve(args) -> int:
     from .server.keys import KeyConfigError, load_keys
+    from .runtime.parallel import ParallelSettings
     from .server.launch import BindError, build_state, check_binding, run
     from .tiny.random_model import default_model
 
@@ -376,7 +317,8 @@ def _serve(args) -> int:
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
                         api_keys=keys, served_name=served, random_weights=random_weights,
                         vision_device=args.vision_device, image_hosts=hosts,
-                        packed_experts=args.packed_experts)
+                        packed_experts=args.packed_experts, parallel=ParallelSettings(
+                            args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout))
     run(state, args.host, args.port, args.log_level)
     return 0
 

@@ -20,6 +20,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--dtype", default="bfloat16", help="weights and state dtype (default bfloat16)")
     plan.add_argument("--max-prefill-tokens", type=int, default=1024, help="as serve's flag (sizes staging)")
     plan.add_argument("--packed-experts", action="store_true", help="as serve's flag: routed experts kept packed")
+    plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as serve's flag: the plan per rank")
+    plan.add_argument("--enable-expert-parallel", action="store_true", help="as serve's flag: whole experts per rank")
 
 
 def run_inspect(args) -> int:
@@ -45,7 +47,8 @@ def _plan(args) -> int:
         raise ConfigError(f"--gpu-memory {args.memory!r}: give a size, e.g. 141GiB")
     cfg = ModelConfig.from_file(args.model)
     plan = plan_capacity(cfg, parse_dtype(args.dtype), memory[1], args.max_model_len, args.max_prefill_tokens,
-                         packed_experts=args.packed_experts)
+                         packed_experts=args.packed_experts, tensor_parallel=args.tensor_parallel_size,
+                         expert_parallel=args.enable_expert_parallel)
     print(render_plan(plan))
     return 0 if plan.fits else 3
 

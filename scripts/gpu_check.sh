@@ -3,7 +3,8 @@
 #   install ds4serve from this checkout out of a wheelhouse (never touching the machine's torch),
 #   check that torch sees the GPU, then, each step under its own time limit:
 #   (1) the CUDA tests, (2) ds4serve bench engine --device cuda, (3) a served smoke test with an
-#   image on models/ds4v-tiny, (4) the mixed-traffic pause measurement (images bench),
+#   image on models/ds4v-tiny, (4) tensor parallel: 2 CPU processes over gloo answer as one,
+#   (5) the mixed-traffic pause measurement (images bench),
 #   and print ONE markdown summary table at the end, whatever failed.
 #
 #   scripts/gpu_check.sh [--wheelhouse DIR] [--out DIR] [--quick] [--no-install] [--plan]
@@ -35,7 +36,7 @@ while [ $# -gt 0 ]; do
         --quick) quick="--quick"; shift ;;
         --no-install) install=0; shift ;;
         --plan|--dry-run) planonly=1; shift ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -26,8 +26,9 @@ ALLOWED = {
     "bench": {"config", "llm", "server", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat",
               "tiny"},
     "cli": {"config", "llm", "server", "bench", "tiny", "runtime", "scheduler", "engine", "cache", "model",
-            "multimodal", "chat", "cli_inspect"},
+            "multimodal", "chat", "cli_inspect", "cli_tiny"},
     "cli_inspect": {"config", "runtime", "cache", "model"},  # info / plan: read a config, never serve
+    "cli_tiny": {"tiny", "llm"},  # tiny train / eval
     "__init__": {"llm", "config"},
 }
 

@@ -58,6 +58,9 @@ class SlotHandle(int):
         handle.gen = gen
         return handle
 
+    def __reduce__(self):  # pickles by value (tensor-parallel ranks receive plans and cache calls)
+        return SlotHandle, (int(self), self.gen)
+
 
 _RINGS = ("swa", "comp_ring", "idx_ring")
 _POOLS = ("comp_pool", "idx_pool")

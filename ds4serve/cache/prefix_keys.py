@@ -45,6 +45,11 @@ class PrefixKeys:
         self._images = sorted(images)
         self._bounds = [root(salt)]
 
+    def __reduce__(self):
+        """By value (tensor-parallel ranks replay prefix-cache calls): the keys computed so far and the
+        tokens as they stand, not the token source (a request's method)."""
+        return _thawed, (list(self._bounds), list(self._tokens(0, 1 << 62)), self._images)
+
     def _images_in(self, lo: int, hi: int) -> list[tuple[int, str]]:
         return [(s - lo, h) for s, h in self._images if lo <= s < hi]
 
@@ -71,3 +76,19 @@ class PrefixKeys:
     def anchor(self, position: int) -> bytes:
         """The boundary a snapshot at ``position`` is filed under."""
         return self.boundary(position // BLOCK)
+
+
+class _Tokens:
+    """A fixed token list as a ``TokenSource``."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def __call__(self, lo: int, hi: int) -> list[int]:
+        return self.ids[lo:hi]
+
+
+def _thawed(bounds: list[bytes], ids: list[int], images: list[tuple[int, str]]) -> PrefixKeys:
+    keys = PrefixKeys.__new__(PrefixKeys)
+    keys._tokens, keys._images, keys._bounds = _Tokens(ids), images, bounds
+    return keys

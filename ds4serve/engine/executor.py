@@ -43,8 +43,12 @@ class StepError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off"):
+    def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
+                 sample: bool = True):
+        """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
+        (and so the LM head) to rank 0."""
         self.cfg = cfg
+        self.sample = sample
         self.model = model
         self.cache = cache
         self.device = cache.state.device
@@ -186,7 +190,7 @@ class Engine:
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
     def _sample(self, rows, samplers, owners) -> list[SampledToken]:
-        if not samplers:
+        if not samplers or not self.sample:
             return []
         logits = self.model.logits(torch.cat(rows) if len(rows) > 1 else rows[0])
         draws = sample_rows(logits, samplers)

@@ -8,7 +8,7 @@ engine's cache; the model only reads and writes them through the view's index li
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from .batch import BatchView, LayerState, QueryTile, capture_ring
 from .compressor import (block_indexer_scores, finish_rows, indexer_scores, pool_windows, select_top_rows,
                          token_states)
 from .mhc import hc_head, hc_post, hc_pre
-from .moe import route, run_experts, swiglu
+from .moe import route, run_experts, run_local_experts, swiglu
 from .norms import rms_norm, rms_norm_unweighted
 from .rope import apply_rope, inverse_frequencies, rotations
 
@@ -168,13 +168,17 @@ class Attention(nn.Module):
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = _param(h)
         self.compressor = None if self.sliding else Compressor(cfg, layer)
+        # this process's share under tensor parallel (``sharding.py``): heads, output groups, and the
+        # sum of the partial outputs over ranks (None: one process holds every head)
+        self.n_heads, self.o_groups = h, cfg.o_groups
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, view: BatchView, st: LayerState, rope: RopeTables) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         n_tok = x.shape[0]
         rot = rope.main if self.sliding else rope.compress
         qr = rms_norm(self.q_a_proj(x), self.q_a_norm.weight, eps)
-        q = rms_norm_unweighted(self.q_b_proj(qr).view(n_tok, cfg.num_heads, cfg.head_dim), eps)
+        q = rms_norm_unweighted(self.q_b_proj(qr).view(n_tok, self.n_heads, cfg.head_dim), eps)
         q = apply_rope(q, rot)
         kv = apply_rope(rms_norm(self.kv_proj(x), self.kv_norm.weight, eps), rot)
         tiles, g = view.tiles, view.gather_tokens
@@ -201,7 +205,8 @@ class Attention(nn.Module):
             for t, block in zip(tiles, blocks):
                 out[t.start:t.stop] = self._tile(q[t.start:t.stop], t, block, st, index_in)
         out = apply_rope(out, rot, inverse=True)
-        return self.o_b_proj(self._grouped_out(out))
+        out = self.o_b_proj(self._grouped_out(out))
+        return out if self.reduce is None else self.reduce(out)
 
     def _gathered(self, q, keys, valid, view: BatchView, st: LayerState, index_in, tokens):
         """Attention of queries (``tokens``, or all) over their own gathered key lists."""
@@ -228,7 +233,7 @@ class Attention(nn.Module):
 
     def _grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         """Block-diagonal ``o_a``: each group of heads is projected by its own slice."""
-        g = self.cfg.o_groups
+        g = self.o_groups
         grouped = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H/G * hd]
         w = self.o_a_proj.weight.view(g, self.cfg.o_lora_rank, -1)  # [G, o_lora, H/G * hd]
         return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)
@@ -271,6 +276,10 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, self.is_hash)
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg) if cfg.n_shared_experts else None
+        # under expert parallel this process holds experts [lo, hi) only; ``reduce`` sums the ranks'
+        # partial outputs (``sharding.py``)
+        self.expert_range: tuple[int, int] | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, view: BatchView) -> torch.Tensor:
         cfg, g = self.cfg, self.gate
@@ -281,11 +290,15 @@ class MoE(nn.Module):
             tid2eid=g.tid2eid if self.is_hash else None, ids=view.ids,
             is_image=view.is_image, bias_vl=getattr(g, "bias_vl", None),
         )
-        out = run_experts(x, idx, weights, self.experts.gate_up_proj, self.experts.down_proj, cfg.swiglu_limit)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if self.expert_range is None:
+            out = run_experts(x, idx, weights, gate_up, down, cfg.swiglu_limit)
+        else:
+            out = run_local_experts(x, idx, weights, gate_up, down, cfg.swiglu_limit, self.expert_range)
         if self.shared_experts is not None:
             s = self.shared_experts
             out = out + s.down_proj(swiglu(s.gate_proj(x), s.up_proj(x), cfg.swiglu_limit))
-        return out
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):

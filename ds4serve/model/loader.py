@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from ..config import ModelConfig
 from .decoder import DS4ForCausalLM
 from .packed import PackedExperts
 from .rope import inverse_frequencies
+from .sharding import ShardPlan, shard_model
 from .vision import VisionEncoder, expected_vision_tensors
 from .weights import load_state_dict
 
@@ -48,11 +50,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-               progress: bool = True, vision_device: str | torch.device | None = None, packed_experts: bool = False
-               ) -> tuple[ModelConfig, DS4ForCausalLM]:
+               progress: bool = True, vision_device: str | torch.device | None = None, packed_experts: bool = False,
+               shard: ShardPlan | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               vision: bool = True) -> tuple[ModelConfig, DS4ForCausalLM]:
     """Load the language model; for a DS4V checkpoint also its vision encoder, attached as
     ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``).
-    ``packed_experts`` keeps MXFP4 / FP8 routed experts packed (``packed.py``; CPU only for now)."""
+    ``packed_experts`` keeps MXFP4 / FP8 routed experts packed (``packed.py``; CPU only for now).
+    ``shard``: this tensor-parallel rank's slices only, partial sums added by ``reduce``
+    (``sharding.py``); ``vision`` False skips the vision tower (TP workers: rank 0 encodes images)."""
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
@@ -64,8 +69,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         model = DS4ForCausalLM(cfg)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     expected.update(expected_vision_tensors(cfg))
+    if shard is not None:
+        shard_model(model, shard, reduce)  # on meta: the parameters take their local shapes
     sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
-                         packed_experts=packed_experts)
+                         packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."))
     vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
     packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], PackedExperts)}
     missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
@@ -80,7 +87,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         log.info("routed experts kept packed: %d stacks, %.1f MiB resident", len(packed),
                  sum(p.nbytes for p in packed.values()) / 2**20)
     model.vision_encoder = None
-    if cfg.vision.enabled:
+    if cfg.vision.enabled and vision:
         vdev = torch.device(vision_device) if vision_device is not None else device
         with torch.device("meta"):
             encoder = VisionEncoder(cfg)

@@ -102,6 +102,37 @@ def run_experts(
     return _grouped_experts(x, idx, weights, gate_up, down, limit)
 
 
+def run_local_experts(x, idx, weights, gate_up, down, limit: float, expert_range: tuple[int, int]) -> torch.Tensor:
+    """Expert parallel: this process's part of the routed sum, from the experts ``[lo, hi)`` it holds
+    (``gate_up``/``down`` hold those only). Pairs routed elsewhere are dropped before any GEMM, so a rank
+    computes only its own experts' pairs; the ranks' parts add up to ``run_experts``'s sum."""
+    lo, hi = expert_range
+    flat = idx.reshape(-1)
+    keep = (flat >= lo) & (flat < hi)
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])[keep]
+    experts, w = flat[keep] - lo, weights.reshape(-1)[keep]
+    if isinstance(gate_up, PackedExperts):
+        return _packed_pairs(x, tokens, experts, w, gate_up, down, limit)
+    return _grouped_pairs(x, tokens, experts, w, gate_up, down, limit)
+
+
+def _packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: PackedExperts, limit) -> torch.Tensor:
+    """(token, expert, weight) pairs over packed experts: only the experts some pair uses are
+    dequantised, ``PACKED_TILE_BYTES`` at a time, their partial sums added per token."""
+    used = torch.unique(experts)  # sync-ok: sorted expert ids; the packed form is host-only for now
+    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
+    group = max(1, PACKED_TILE_BYTES // each)
+    out = torch.zeros_like(x)
+    for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
+        ids = used[start:start + group]
+        remap = torch.full((gate_up.n_experts,), -1, dtype=experts.dtype, device=experts.device)
+        remap[ids] = torch.arange(ids.numel(), dtype=experts.dtype, device=experts.device)
+        sub = remap[experts]
+        keep = sub >= 0
+        out.add_(_grouped_pairs(x, tokens[keep], sub[keep], weights[keep], gate_up.take(ids), down.take(ids), limit))
+    return out
+
+
 def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     """Every expert on every token; the routing weights (zero for unselected experts) scale the
     activations before the down projection, so the weighted sum over experts is one reduction."""

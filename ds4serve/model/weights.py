@@ -245,22 +245,29 @@ def _scale_name(src: _Source, weight_name: str) -> str | None:
 
 def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     dtype: torch.dtype, device: torch.device | str, progress: bool = True,
-                    fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False) -> dict[str, torch.Tensor]:
-    """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (shape, dtype)).
+                    fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False,
+                    shard=None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (full shape, dtype)).
     ``packed_experts``: quantised routed experts (official per-expert tensors) stay packed
-    (``packed.PackedExperts`` values instead of tensors)."""
+    (``packed.PackedExperts`` values instead of tensors). ``shard`` (``sharding.ShardPlan``): only this
+    rank's slices are kept, and of the routed experts only this rank's are read at all; names starting
+    with a ``skip`` prefix are not loaded (a tensor-parallel worker has no vision tower)."""
     src = _Source(checkpoint_files(Path(path)))
     src.fp8_block = fp8_block
     plan, experts, scales, ignored, unknown = _plan(src)
     if ignored:
         log.info("ignoring %d checkpoint tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
-    loaders: dict[str, Callable[[], torch.Tensor]] = {hf: _single_loader(src, name) for hf, name in plan.items()}
-    stacked = _expert_loaders(src, experts, expected, dtype, torch.device(device), packed_experts)
-    loaders.update(stacked)
-
     problems = _compare(src, plan, experts, expected, unknown)
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n  " + "\n  ".join(problems))
+    if skip:
+        plan = {hf: name for hf, name in plan.items() if not hf.startswith(skip)}
+    local = {hf: (shard.local_shape(hf, shape) if shard else shape, dt) for hf, (shape, dt) in expected.items()}
+    loaders: dict[str, Callable[[], torch.Tensor]] = {hf: _single_loader(src, name, hf, shard)
+                                                      for hf, name in plan.items()}
+    stacked = _expert_loaders(src, experts, local, dtype, torch.device(device), packed_experts, shard)
+    loaders.update(stacked)
+    expected = local
 
     targets = {hf: dtype if hf in stacked else loaded_dtype(hf, expected[hf][1], dtype) for hf in loaders}
     t0 = time.perf_counter()
@@ -333,8 +340,11 @@ def _plan(src: _Source):
     return plan, experts, scales, ignored, unknown
 
 
-def _single_loader(src: _Source, name: str) -> Callable[[], torch.Tensor]:
-    return lambda: _read(src, name, fp4_needs_scale=False)
+def _single_loader(src: _Source, name: str, hf: str, shard) -> Callable[[], torch.Tensor]:
+    if shard is None or shard.rule(hf) is None:
+        return lambda: _read(src, name, fp4_needs_scale=False)
+    # dequantised whole (FP8 blocks straddle slice edges), then sliced: one tensor at a time
+    return lambda: shard.take(hf, _read(src, name, fp4_needs_scale=False).reshape(src.logical_shape(name)))
 
 
 def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
@@ -356,7 +366,7 @@ def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
 
 def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
                     expected: dict[str, tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype,
-                    device: torch.device, packed: bool = False) -> dict[str, Callable]:
+                    device: torch.device, packed: bool = False, shard=None) -> dict[str, Callable]:
     """Stack official per-expert tensors into HF's ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``,
     written expert by expert into a tensor allocated once on the target device in the target dtype:
     host memory holds one dequantised expert at a time, not a layer's experts in fp32 twice over
@@ -370,23 +380,31 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
             out[j].copy_(part(j))
         return out
 
-    def piece(name: str) -> torch.Tensor:
-        return _read(src, name, fp4_needs_scale=True).float()
+    def piece(name: str, dim: int = 0) -> torch.Tensor:
+        t = _read(src, name, fp4_needs_scale=True).float()
+        if shard is None or shard.expert_parallel or shard.world == 1:
+            return t
+        part = t.shape[dim] // shard.world  # TP: this rank's share of the intermediate width
+        return t.narrow(dim, shard.rank * part, part)
 
     loaders: dict[str, Callable[[], torch.Tensor]] = {}
     for layer, pieces in experts.items():
         prefix = f"model.layers.{layer}.mlp.experts."
+        lo = _first_expert(shard, expected[prefix + "down_proj"][0][0])
         fmt = _packed_format(src, pieces[(0, "w1")]) if packed and (0, "w1") in pieces else None
         if fmt is not None:
+            if shard is not None and shard.world > 1 and not shard.expert_parallel:
+                raise CheckpointError("packed experts split by tensor parallel are not supported: "
+                                      "add --enable-expert-parallel (each rank then holds whole experts)")
             for hf, kinds in ((prefix + "gate_up_proj", ("w1", "w3")), (prefix + "down_proj", ("w2",))):
-                loaders[hf] = _packed_loader(src, pieces, kinds, fmt, expected[hf][0], dtype, device, hf)
+                loaders[hf] = _packed_loader(src, pieces, kinds, fmt, expected[hf][0], dtype, device, hf, lo)
             continue
 
-        def gate_up(pieces=pieces, hf=prefix + "gate_up_proj"):
-            return fill(hf, lambda j: torch.cat((piece(pieces[(j, "w1")]), piece(pieces[(j, "w3")]))))
+        def gate_up(pieces=pieces, hf=prefix + "gate_up_proj", lo=lo):
+            return fill(hf, lambda j: torch.cat((piece(pieces[(lo + j, "w1")]), piece(pieces[(lo + j, "w3")]))))
 
-        def down(pieces=pieces, hf=prefix + "down_proj"):
-            return fill(hf, lambda j: piece(pieces[(j, "w2")]))
+        def down(pieces=pieces, hf=prefix + "down_proj", lo=lo):
+            return fill(hf, lambda j: piece(pieces[(lo + j, "w2")], dim=1))
 
         loaders[prefix + "gate_up_proj"] = gate_up
         loaders[prefix + "down_proj"] = down
@@ -405,12 +423,18 @@ def _packed_format(src: _Source, name: str) -> str | None:
     return None
 
 
-def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str):
+def _first_expert(shard, n_local: int) -> int:
+    """The first routed expert this rank holds (expert parallel: rank x its share; else 0)."""
+    return shard.rank * n_local if shard is not None and shard.expert_parallel else 0
+
+
+def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str,
+                   lo: int = 0):
     from .packed import PackedExperts, stack_parts  # packed.py imports this module's dequantisers
 
     def load():
         per_expert = [[(src.get(pieces[(j, k)]), src.get(_scale_name(src, pieces[(j, k)]))) for k in kinds]
-                      for j in range(shape[0])]
+                      for j in range(lo, lo + shape[0])]
         return PackedExperts(fmt, stack_parts(per_expert, device), shape, dtype, src.fp8_block, hf)
 
     return load

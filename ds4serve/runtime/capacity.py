@@ -31,6 +31,7 @@ from ..cache import StateLayout
 from ..config import ConfigError, ModelConfig
 from ..model.loader import expected_tensors
 from ..model.vision import expected_vision_tensors
+from ..model.sharding import ShardPlan
 from ..model.weights import loaded_dtype
 from ..multimodal.chunking import max_chunk_len
 
@@ -76,15 +77,18 @@ class WeightPlan:
         return None if bits is None else int(self.routed_params * bits / 8)
 
 
-def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = False) -> WeightPlan:
+def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = False,
+                 shard: ShardPlan | None = None) -> WeightPlan:
     """Bytes of every tensor ds4serve instantiates, by kind, without allocating (meta tensors); with
-    ``packed_experts`` and a known expert format, routed experts at their packed size."""
+    ``packed_experts`` and a known expert format, routed experts at their packed size. ``shard``: what
+    that tensor-parallel rank holds (rank 0 also holds the vision tower; the others do not)."""
     tensors = dict(expected_tensors(cfg))
-    if cfg.vision.enabled:
+    if cfg.vision.enabled and (shard is None or shard.rank == 0):
         tensors.update(expected_vision_tensors(cfg))
     by_kind: dict[str, int] = {}
     routed = 0
     for name, (shape, meta_dtype) in tensors.items():
+        shape = shard.local_shape(name, shape) if shard is not None else shape
         kind = weight_kind(name)
         by_kind[kind] = by_kind.get(kind, 0) + _loaded_bytes(name, shape, meta_dtype, dtype)
         if kind == "routed experts":
@@ -113,6 +117,8 @@ class CapacityPlan:
     page_bytes: int
     activations: int  # a step's transient peak (estimate)
     notes: list[str] = field(default_factory=list)
+    tensor_parallel: int = 1  # the plan is per rank (rank 0: the largest, it also holds the vision tower)
+    expert_parallel: bool = False
 
     @property
     def per_sequence_prefix(self) -> int:
@@ -140,25 +146,47 @@ class CapacityPlan:
 
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_len: int | None = None,
                   max_prefill_tokens: int = 1024, min_prefill_tokens: int = 16,
-                  packed_experts: bool = False) -> CapacityPlan:
-    """The plan for one device with ``memory`` bytes (see the module doc)."""
+                  packed_experts: bool = False, tensor_parallel: int = 1,
+                  expert_parallel: bool = False, advise: bool = True) -> CapacityPlan:
+    """The plan for one device with ``memory`` bytes, or for each of ``tensor_parallel`` such devices
+    (rank 0's share; sequence state is replicated on every rank, see ``model.sharding``)."""
     if memory <= 0:
         raise ConfigError(f"memory must be positive, got {memory}")
     max_len = min(max_model_len or 8192, cfg.max_position_embeddings)
     layout = StateLayout.build(cfg, dtype)
-    weights = plan_weights(cfg, dtype, packed_experts)
+    shard = ShardPlan(0, tensor_parallel, expert_parallel) if tensor_parallel > 1 else None
+    problems = shard.problems(cfg) if shard is not None else []
+    if problems:
+        raise ConfigError("cannot split this model: " + "; ".join(problems))
+    weights = plan_weights(cfg, dtype, packed_experts, shard)
     elem = dtype.itemsize
     rows = max_chunk_len(max_prefill_tokens, min_prefill_tokens, cfg.vision.max_n_token if cfg.vision.enabled else 0)
     stream = cfg.hc_mult * cfg.hidden_size * elem
     activations = rows * stream * ACTIVATION_COPIES + rows * cfg.vocab_size * 4 // 16  # logits of sampled rows
     plan = CapacityPlan(cfg, dtype, memory, max_len, weights, layout.bytes_per_slot(), rows * stream,
                         layout.bytes_per_token(), layout.pages_for(max_len) * layout.bytes_per_page(),
-                        layout.bytes_per_page(), activations)
-    plan.notes.extend(_advice(plan))
+                        layout.bytes_per_page(), activations, tensor_parallel=tensor_parallel,
+                        expert_parallel=expert_parallel)
+    if advise:
+        plan.notes.extend(_advice(plan, max_prefill_tokens, min_prefill_tokens))
     return plan
 
 
-def _advice(p: CapacityPlan) -> list[str]:
+def smallest_fit(p: CapacityPlan, max_prefill_tokens: int, min_prefill_tokens: int) -> tuple[int, bool] | None:
+    """The fewest devices of ``p.memory`` each (and whether expert parallel) that hold the model."""
+    for n in (2, 4, 8, 16, 32):
+        for ep in (False, True):
+            try:
+                q = plan_capacity(p.cfg, p.dtype, p.memory, p.max_model_len, max_prefill_tokens, min_prefill_tokens,
+                                  p.weights.packed, n, ep, advise=False)
+            except ConfigError:  # not divisible that many ways
+                continue
+            if q.fits:
+                return n, ep
+    return None
+
+
+def _advice(p: CapacityPlan, max_prefill_tokens: int, min_prefill_tokens: int) -> list[str]:
     out = []
     w = p.weights
     packed = w.routed_packed
@@ -174,13 +202,16 @@ def _advice(p: CapacityPlan) -> list[str]:
         out.append(f"{w.mtp_layers} MTP layer(s) in the checkpoint are not loaded (no speculative decoding yet)")
     if not p.fits:
         need = w.total + p.activations + p.per_sequence
-        out.append(f"does not fit: one sequence of {p.max_model_len} tokens needs {_gib(need)} on one device, "
+        where = "one device" if p.tensor_parallel == 1 else f"each of {p.tensor_parallel} devices"
+        out.append(f"does not fit: one sequence of {p.max_model_len} tokens needs {_gib(need)} on {where}, "
                    f"{_gib(p.memory)} given")
         if packed is not None and not w.packed:
             need_packed = need - w.by_kind.get("routed experts", 0) + packed
             out.append(f"with --packed-experts it needs {_gib(need_packed)}")
-        out.append("tensor / expert parallel over several devices of this size would hold it: not built yet "
-                   "(issue 16)")
+        fit = smallest_fit(p, max_prefill_tokens, min_prefill_tokens)
+        if fit is not None:
+            out.append(f"needs --tensor-parallel-size >= {fit[0]}{' --enable-expert-parallel' if fit[1] else ''} "
+                       f"on devices of this size")
     return out
 
 
@@ -190,7 +221,10 @@ def _gib(n: float) -> str:
 
 def render_plan(p: CapacityPlan) -> str:
     w = p.weights
-    lines = [f"capacity plan: one device, {_gib(p.memory)}, weights in {str(p.dtype).removeprefix('torch.')}, "
+    where = "one device" if p.tensor_parallel == 1 else (
+        f"per rank of {p.tensor_parallel} (rank 0, which also holds the vision tower; expert parallel "
+        f"{'on' if p.expert_parallel else 'off'})")
+    lines = [f"capacity plan: {where}, {_gib(p.memory)}, weights in {str(p.dtype).removeprefix('torch.')}, "
              f"max_model_len {p.max_model_len}", "", "| what | bytes |", "|---|---:|"]
     lines += [f"| weights: {kind} | {_gib(n)} |" for kind, n in sorted(w.by_kind.items(), key=lambda kv: -kv[1])]
     lines += [f"| **weights total** | **{_gib(w.total)}** |",
@@ -219,13 +253,15 @@ def device_memory(device: torch.device) -> int:
 
 
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-               max_prefill_tokens: int = 1024, packed_experts: bool = False) -> CapacityPlan:
+               max_prefill_tokens: int = 1024, packed_experts: bool = False, tensor_parallel: int = 1,
+               expert_parallel: bool = False) -> CapacityPlan:
     """The start-up check: log the plan, refuse (``ConfigError`` with the plan) before loading anything
-    when the weights and one sequence cannot fit on ``device``."""
+    when the weights and one sequence cannot fit on ``device`` (on each rank's device under TP)."""
     import logging
 
     plan = plan_capacity(cfg, dtype, device_memory(device), max_model_len, max_prefill_tokens,
-                         packed_experts=packed_experts)
+                         packed_experts=packed_experts, tensor_parallel=tensor_parallel,
+                         expert_parallel=expert_parallel)
     log = logging.getLogger(__name__)
     if not plan.fits:
         raise ConfigError(f"the model does not fit on {device}:\n{render_plan(plan)}")

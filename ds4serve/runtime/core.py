@@ -28,6 +28,7 @@ from ..config import ConfigError, EngineSettings, ModelConfig
 from ..engine.decode_graphs import MODES as DECODE_GRAPH_MODES
 from ..engine.encoder import EncoderWorker
 from ..engine.executor import Engine
+from ..engine.parallel import RankFailure
 from ..engine.plan import member_problems, validate_plan, validate_step_result
 from ..engine.sampling import SamplingParams
 from ..model import DS4ForCausalLM, load_model, parse_dtype
@@ -37,6 +38,7 @@ from ..scheduler.admission import fit_problem
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
 from .capacity import check_fits
+from .parallel import ParallelGroup, ParallelSettings, start_group
 from .sizing import Resolved, resolve
 from .calibrate import calibrate
 from .warmup import warm_up
@@ -71,8 +73,10 @@ class StepRecord:
 class EngineCore:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None):
-        """``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes)."""
+                 eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None,
+                 parallel: ParallelGroup | None = None):
+        """``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes).
+        ``parallel``: this is rank 0 of a tensor-parallel group (``parallel.py``); ``model`` is its shard."""
         self.cfg = cfg
         self.settings = s = settings or EngineSettings()
         self.device = torch.device(device)
@@ -80,7 +84,13 @@ class EngineCore:
         self.resolved = r = resolve(cfg, s, layout, self.device)
         self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows,
                                   prefix_budget_bytes=r.prefix_budget)
-        self.engine = self._engine(model, engine_factory)
+        self.parallel = parallel
+        if parallel is not None:  # the workers build the same cache; every cache call is mirrored to them
+            self.cache, self.engine = parallel.attach(cfg, model, self.cache, {
+                "page_tokens": s.page_tokens, "max_seqs": r.max_seqs, "n_pages": r.n_pages,
+                "host_budget": r.host_budget, "staging_rows": r.staging_rows, "prefix_budget": r.prefix_budget})
+        else:
+            self.engine = self._engine(model, engine_factory)
         self.limits = SchedulerLimits(
             num_layers=cfg.num_layers, max_model_len=r.max_model_len, step_tokens=s.step_tokens,
             max_prefill_tokens=s.max_prefill_tokens, min_prefill_tokens=s.min_prefill_tokens,
@@ -162,7 +172,10 @@ class EngineCore:
         refused = member_problems(plan, self.cache.staging_rows, self.image_slot_id)
         if refused:  # confined to those members: they fail alone, the rest is planned again
             return self.scheduler.refuse(plan, refused)
-        result = self.engine.step(plan)
+        try:
+            result = self.engine.step(plan)
+        except RankFailure as exc:  # a tensor-parallel rank died or hangs: nothing can be agreed any more
+            self._break(str(exc))
         problem = validate_step_result(plan, result, self.cfg.num_layers)
         if problem:
             self._break(f"step {plan.step_id}: result does not match its plan: {problem}")
@@ -194,6 +207,8 @@ class EngineCore:
         """Stop the encoder worker (the engine loop owns everything else)."""
         if self.encoder is not None:
             self.encoder.shutdown()
+        if self.parallel is not None:
+            self.parallel.close(self.engine)
 
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (snapshots pinned by live requests stay); returns how many went."""
@@ -232,16 +247,27 @@ class EngineCore:
 
 def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
               vision_device: str | None = None, extra_eos: Sequence[int] = (),
-              packed_experts: bool = False) -> EngineCore:
+              packed_experts: bool = False, parallel: ParallelSettings | None = None) -> EngineCore:
     """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model).
-    A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``)."""
+    A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``).
+    ``parallel`` with ``tensor_parallel_size > 1`` starts the other ranks (``parallel.py``) first."""
     s = settings or EngineSettings()
+    tp = parallel.tensor_parallel_size if parallel is not None else 1
     check_fits(ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device), s.max_model_len,
-               s.max_prefill_tokens, packed_experts)
-    cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device,
-                            packed_experts=packed_experts)
+               s.max_prefill_tokens, packed_experts, tp, parallel is not None and parallel.expert_parallel)
+    group = None
+    if tp > 1:
+        group, cfg, model = start_group(model_dir, parallel, device, dtype, packed_experts)
+    else:
+        cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device,
+                                packed_experts=packed_experts)
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
-    return EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos)
+    try:
+        return EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos, parallel=group)
+    except BaseException:
+        if group is not None:
+            group.close(None)
+        raise
 
 
 __all__ = ["EngineCore", "FatalStepError", "check_decode_graphs", "Resolved", "StepRecord", "load_core"]

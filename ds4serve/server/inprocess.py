@@ -18,6 +18,7 @@ import uvicorn
 
 from ..config import EngineSettings
 from ..runtime import EngineLoop
+from ..runtime.parallel import ParallelSettings
 from .app import create_app
 from .launch import build_state
 from .limits import ServerLimits
@@ -64,12 +65,16 @@ class RunningServer:
 
 @contextlib.contextmanager
 def serve(model_dir: Path, *, api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
-          settings: dict | None = None, limits: dict | None = None, name: str = "tiny", random_weights: bool = True):
+          settings: dict | None = None, limits: dict | None = None, name: str = "tiny", random_weights: bool = True,
+          parallel: ParallelSettings | None = None):
     """A started server on a free loopback port for the ``with`` block. ``api_key``: one key (named
-    ``key-1``); ``api_keys``: several, ``{name: key}``."""
+    ``key-1``); ``api_keys``: several, ``{name: key}``. ``parallel``: a tensor-parallel group (this
+    process is rank 0; the others are started and stopped with the server)."""
     s = EngineSettings(**({"max_seqs": 8, "max_model_len": 1024, "warmup": False} | (settings or {})))
     state = build_state(model_dir, settings=s, limits=ServerLimits(**(limits or {})), api_key=api_key,
-                        api_keys=api_keys, served_name=name, random_weights=random_weights)
+                        api_keys=api_keys, served_name=name, random_weights=random_weights, parallel=parallel)
+    if state.loop.core.parallel is not None:  # a lost rank stops this server, not the calling process
+        state.loop.core.parallel.on_lost = lambda why: state.loop.begin_shutdown(why)
     srv = RunningServer(state, free_port()).start()
     try:
         yield srv

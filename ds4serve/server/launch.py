@@ -8,6 +8,8 @@ is answered (an error saying the server is shutting down) before connections clo
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import uvicorn
 from ..chat import Tokenizer
 from ..config import EngineSettings
 from ..runtime import EngineLoop, load_core
+from ..runtime.parallel import ParallelSettings
 from .app import create_app
 from .limits import ServerLimits
 from .state import ServerState
@@ -41,10 +44,13 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
                 served_name: str | None = None,
                 random_weights: bool = False, vision_device: str | None = None,
-                image_hosts: tuple[str, ...] = (), packed_experts: bool = False) -> ServerState:
+                image_hosts: tuple[str, ...] = (), packed_experts: bool = False,
+                parallel: ParallelSettings | None = None) -> ServerState:
     tokenizer = Tokenizer(model_dir)
     core = load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
-                     extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts)
+                     extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts, parallel=parallel)
+    if core.parallel is not None:  # a rank died: stop the server (uvicorn's shutdown answers waiting clients)
+        core.parallel.on_lost = lambda why: os.kill(os.getpid(), signal.SIGTERM)
     name = served_name or model_dir.name
     state = ServerState(loop=EngineLoop(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
                         api_key=api_key, api_keys=api_keys, random_weights=random_weights)
