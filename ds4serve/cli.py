@@ -149,7 +149,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
     serve.add_argument("--packed-experts", action="store_true",
                        help="keep MXFP4 / FP8 routed experts packed in memory and dequantise only the experts a "
-                            "step uses (CPU only for now; ~13%% of the expert bytes for MXFP4, decode ~1.2-1.35x slower)")
+                            "step uses (~13%% of the expert bytes for MXFP4; on CPU decode ~1.2-1.35x slower; on CUDA Triton "
+                            "GEMMs decode tiles in registers, not yet run on a GPU)")
     serve.add_argument("--threads", type=int, default=None,
                        help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

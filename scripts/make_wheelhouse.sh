@@ -11,7 +11,8 @@
 #   `--python 3.11` for this repository's CPU machine).
 # * torch is never downloaded: the requirement list is read from pyproject.toml with torch removed,
 #   and accelerate (whose requirements name torch) is fetched with --no-deps (its other needs are
-#   listed explicitly). Anything named torch / nvidia-* / triton that still shows up is an error.
+#   listed explicitly); triton (CUDA torch brings its own) is left out too. Anything named torch /
+#   nvidia-* / triton that still shows up is an error.
 # * transformers==5.23.0 (the CUDA tests' reference checkpoints, bench engine's peer) is included
 #   (~22 MB with its dependencies) unless --no-transformers. matplotlib (plots of bench serve only)
 #   and schemathesis (the HTTP schema fuzz test only) are left out unless --full: together ~27 MB,
@@ -48,7 +49,7 @@ trap 'rm -f "$reqs"' EXIT
 import re, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
 with_tf, full = sys.argv[2] == "1", sys.argv[3] == "1"
-skip = {"torch", "accelerate"} | (set() if with_tf else {"transformers"}) \
+skip = {"torch", "accelerate", "triton"} | (set() if with_tf else {"transformers"}) \
     | (set() if full else {"matplotlib", "schemathesis"})
 for req in project["dependencies"] + project["optional-dependencies"]["test"]:
     name = re.split(r"[<>=!~ \[;]", req, maxsplit=1)[0].lower()

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from .decoder import DS4ForCausalLM
+from . import triton_experts
 from .packed import PackedExperts
 from .rope import inverse_frequencies
 from .sharding import ShardPlan, shard_model
@@ -62,9 +63,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
     device = torch.device(device)
-    if packed_experts and device.type != "cpu":
-        raise ValueError("packed experts run on the host only for now (the CUDA kernel is not built); "
-                         "load with packed_experts=False on a GPU")
+    if packed_experts and device.type != "cpu" and not triton_experts.available(device):
+        raise ValueError(f"packed experts on {device} need Triton's kernels (triton comes with CUDA builds of "
+                         "torch); load with packed_experts=False")
+    if packed_experts and device.type == "cuda":
+        log.warning("packed experts on CUDA run through the Triton kernels of model/triton_experts.py, checked "
+                    "against the host path under Triton's interpreter, not yet on a GPU")
     with torch.device("meta"):
         model = DS4ForCausalLM(cfg)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import triton_experts
 from .packed import PackedExperts
 
 
@@ -111,6 +112,8 @@ def run_local_experts(x, idx, weights, gate_up, down, limit: float, expert_range
     keep = (flat >= lo) & (flat < hi)
     tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])[keep]
     experts, w = flat[keep] - lo, weights.reshape(-1)[keep]
+    if isinstance(gate_up, PackedExperts) and triton_experts.available(x.device):
+        return _fused_packed_pairs(x, tokens, experts, w, gate_up, down, limit)
     if isinstance(gate_up, PackedExperts):
         return _packed_pairs(x, tokens, experts, w, gate_up, down, limit)
     return _grouped_pairs(x, tokens, experts, w, gate_up, down, limit)
@@ -176,7 +179,9 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
     """Only the routed experts dequantised, in groups of at most ``PACKED_TILE_BYTES``. One group (every
     model whose step's experts fit) computes exactly what the dequantised stack would: the same path
     on the same values. Several groups add their partial sums per token (fp32 rounding may differ)."""
-    used = torch.unique(idx)  # sync-ok: sorted expert ids; the packed form is host-only for now
+    if triton_experts.available(x.device):
+        return _fused_packed_pairs(x, None, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, idx.shape[1])
+    used = torch.unique(idx)  # sync-ok: sorted expert ids; host path (CUDA takes the Triton one above)
     n_exp = gate_up.n_experts
     each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
     group = max(1, PACKED_TILE_BYTES // each)
@@ -193,6 +198,21 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
         part = _grouped_pairs(x, tokens, sub.reshape(-1)[keep], weights.reshape(-1)[keep], gu, dn, limit)
         out.add_(part)
     return out
+
+
+def _fused_packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: PackedExperts, limit,
+                        top_k: int = 1) -> torch.Tensor:
+    """``_grouped_pairs`` with the Triton GEMMs that decode packed tiles in registers (``triton_experts``):
+    no expert is ever dequantised to memory."""
+    order = torch.argsort(experts, stable=True)
+    token_of = order // top_k if tokens is None else tokens.index_select(0, order)
+    x_sorted = x.index_select(0, token_of)
+    counts = torch.bincount(experts, minlength=gate_up.n_experts).tolist()  # sync-ok: one launch per routed expert
+    h = triton_experts.packed_grouped_linear(x_sorted, gate_up, counts)
+    g, u = h.chunk(2, dim=-1)
+    y = triton_experts.packed_grouped_linear(swiglu(g, u, limit), down, counts)
+    y = y * weights.index_select(0, order).to(y.dtype).unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token_of, y)
 
 
 def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

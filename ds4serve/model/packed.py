@@ -10,8 +10,9 @@ Nothing dequantised outlives the call that made it.
 A stack may be several parts concatenated along the rows (gate and up are separate checkpoint tensors,
 and an FP8 block can straddle their boundary, so each keeps its own scales).
 
-This is the host (torch) form; on CUDA a fused Triton kernel is the intended form (not built yet), so
-the loader accepts packed experts on CPU only.
+This is the host (torch) form; on CUDA the MoE takes ``triton_experts``' GEMMs instead, which decode
+tiles in registers and never write a dequantised expert (checked under Triton's interpreter; not yet
+run on a GPU).
 """
 
 from __future__ import annotations

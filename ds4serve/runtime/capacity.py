@@ -192,11 +192,11 @@ def _advice(p: CapacityPlan, max_prefill_tokens: int, min_prefill_tokens: int) -
     packed = w.routed_packed
     if w.packed:
         out.append(f"routed experts kept packed ({w.packed_format}, --packed-experts): {_gib(packed)}; "
-                   "dequantised only for the experts a step uses (host only for now)")
+                   "dequantised only for the experts a step uses (on CUDA inside Triton GEMMs, not yet run on a GPU)")
     elif packed is not None:
         loaded = w.by_kind.get("routed experts", 0)
         out.append(f"routed experts are dequantised at load ({_gib(loaded)}); kept packed as the checkpoint "
-                   f"stores them ({w.packed_format}, serve --packed-experts, host only for now) they take "
+                   f"stores them ({w.packed_format}, serve --packed-experts) they take "
                    f"{_gib(packed)}")
     if w.mtp_layers:
         out.append(f"{w.mtp_layers} MTP layer(s) in the checkpoint are not loaded (no speculative decoding yet)")
