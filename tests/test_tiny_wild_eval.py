@@ -181,6 +181,15 @@ def test_wild_eval_report_structure(llm, capsys):
     assert "| task | exact match |" in out and "| **overall** |" in out and "| wording: canonical |" in out and "| compare |" in out
 
 
+def test_the_bundled_model_meets_the_wild_targets(llm, capsys):
+    """Issue 17's bar on the independent renderer, through the real engine: >= 90% overall and >= 80%
+    on every task, the README's 500 questions of seed 1717 (deterministic: greedy, seeded pictures)."""
+    from ds4serve.tiny.wild_eval import evaluate_wild
+
+    r = evaluate_wild(BUNDLED, n=500, in_flight=8, llm=llm)
+    assert r["overall"] >= 0.9 and min(r["per_task"].values()) >= 0.8, (r["overall"], r["per_task"])
+
+
 def test_serving_path_answers_training_style_pictures(llm):
     from ds4serve.chat import Tokenizer
     from ds4serve.engine.sampling import SamplingParams
