@@ -17,8 +17,6 @@ GPU; ``available(device)`` says whether a device can use them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # pragma: no cover - depends on the torch build
@@ -30,10 +28,11 @@ except ImportError:  # CPU wheels of torch bring no Triton
 
 
 def available(device: torch.device) -> bool:
-    """True where the kernels can run: a CUDA device with Triton, or Triton's interpreter on the host."""
+    """True where the kernels can run: a CUDA device with Triton, or the host when Triton's interpreter
+    is on (``TRITON_INTERPRET=1`` turns the kernels into interpreted functions as they are defined)."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or type(_mxfp4_mm).__name__ == "InterpretedFunction"
 
 
 if triton is not None:
