@@ -178,9 +178,9 @@ def test_stage_two_continues_from_a_checkpoint(tmp_path):
     from ds4serve.tiny.train import TrainSettings, train
 
     summary = train(TrainSettings(out=tmp_path, init=BUNDLED, robust_steps=2, batch=4, eval_every=1000,
-                                  held_per_task=2, free_vision_steps=2))
+                                  held_per_task=2, easy_vision_steps=2, free_vision_steps=2))
     names = [s["name"] for s in summary["stages"]]
-    assert names == ["base", "free-hand vision", "robust"]
+    assert names == ["base", "free-hand vision (easy)", "free-hand vision", "robust"]
     robust = summary["stages"][-1]
     assert robust["steps"] == 2 and robust["free_share"] == 0.8
     assert set(robust["history"][-1]) >= {"original", "free hand"}
