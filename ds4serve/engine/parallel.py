@@ -245,8 +245,9 @@ class Collectives:
         return pickle.loads(data.numpy().tobytes())
 
 
-def run_step(engine, coll: Collectives, plan: StepPlan, num_layers: int) -> tuple[StepResult, bool]:
-    """One step on this rank; (result, whether every rank succeeded). Every rank calls this."""
+def run_step(engine, coll: Collectives, plan: StepPlan, num_layers: int) -> StepResult:
+    """One step on this rank, failed here too if it failed on any rank (then undone as a step that
+    failed here is). Every rank calls this."""
     coll.done = 0
     result = engine.step(plan)
     if coll.lost is not None:
@@ -254,7 +255,13 @@ def run_step(engine, coll: Collectives, plan: StepPlan, num_layers: int) -> tupl
     failed = result.status is StepStatus.FAILED
     if failed:
         coll.drain(planned_reduces(plan, num_layers))
-    return result, not coll.any_failed(failed)
+    if not coll.any_failed(failed) or failed:
+        return result
+    for p in plan.passes:  # the same undo as a step that failed here
+        engine.cancel_pass(p.pass_id)
+    log.error("step %d failed on another rank; failing its requests", plan.step_id)
+    return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
+                      error="the step failed on another tensor-parallel rank", elapsed_s=result.elapsed_s)
 
 
 class ParallelEngine:
@@ -269,14 +276,7 @@ class ParallelEngine:
 
     def step(self, plan: StepPlan) -> StepResult:
         self.coll.send(("step", self.recorder.take(), strip_plan(plan)))
-        result, agreed = run_step(self.engine, self.coll, plan, self.num_layers)
-        if agreed or result.status is StepStatus.FAILED:
-            return result
-        for p in plan.passes:  # the same undo as a step that failed here
-            self.engine.cancel_pass(p.pass_id)
-        log.error("step %d failed on another rank; failing its requests", plan.step_id)
-        return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
-                          error="the step failed on another tensor-parallel rank", elapsed_s=result.elapsed_s)
+        return run_step(self.engine, self.coll, plan, self.num_layers)
 
     def close(self) -> None:
         """Tell the workers to exit (best effort: they may be gone already)."""
@@ -294,7 +294,4 @@ def serve_steps(engine, cache: CacheManager, coll: Collectives, num_layers: int)
         replay.apply(calls)
         if kind == "stop":
             return
-        result, agreed = run_step(engine, coll, plan, num_layers)
-        if not agreed and result.status is not StepStatus.FAILED:
-            for p in plan.passes:
-                engine.cancel_pass(p.pass_id)
+        run_step(engine, coll, plan, num_layers)

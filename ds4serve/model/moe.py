@@ -119,12 +119,18 @@ def run_local_experts(x, idx, weights, gate_up, down, limit: float, expert_range
     return _grouped_pairs(x, tokens, experts, w, gate_up, down, limit)
 
 
-def _packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: PackedExperts, limit) -> torch.Tensor:
-    """(token, expert, weight) pairs over packed experts: only the experts some pair uses are
-    dequantised, ``PACKED_TILE_BYTES`` at a time, their partial sums added per token."""
-    used = torch.unique(experts)  # sync-ok: sorted expert ids; the packed form is host-only for now
-    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
-    group = max(1, PACKED_TILE_BYTES // each)
+def _packed_bytes(gate_up: PackedExperts, down: PackedExperts) -> int:
+    """Bytes of one expert dequantised (gate/up and down)."""
+    return (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
+
+
+def _packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: PackedExperts, limit,
+                  used: torch.Tensor | None = None) -> torch.Tensor:
+    """(token, expert, weight) pairs over packed experts: only the experts some pair uses (``used``,
+    sorted) are dequantised, ``PACKED_TILE_BYTES`` at a time, their partial sums added per token."""
+    if used is None:
+        used = torch.unique(experts)  # sync-ok: sorted expert ids (host path)
+    group = max(1, PACKED_TILE_BYTES // _packed_bytes(gate_up, down))
     out = torch.zeros_like(x)
     for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
         ids = used[start:start + group]
@@ -153,9 +159,11 @@ def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     return _grouped_pairs(x, None, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, idx.shape[1])
 
 
-def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k: int = 1) -> torch.Tensor:
-    """(token, expert, weight) pairs, sorted by expert (stable), through two grouped GEMMs. ``tokens``
+def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k: int = 1, linear=None) -> torch.Tensor:
+    """(token, expert, weight) pairs, sorted by expert (stable), through two grouped GEMMs (``linear``,
+    default ``grouped_linear``; packed stacks on CUDA: ``triton_experts.packed_grouped_linear``). ``tokens``
     None: the pairs are every token's ``top_k`` routes in order, so a pair's token is its index // top_k."""
+    linear = linear or grouped_linear
     n_exp = gate_up.shape[0]
     order = torch.argsort(experts, stable=True)
     token_of = order // top_k if tokens is None else tokens.index_select(0, order)
@@ -163,9 +171,9 @@ def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k: int
     # a scatter-add, not bincount: CUDA's bincount reads the max on the host, which a captured graph forbids
     counts = torch.zeros(n_exp, dtype=experts.dtype, device=experts.device).scatter_add_(
         0, experts, torch.ones_like(experts))
-    h = grouped_linear(x_sorted, gate_up, counts)
+    h = linear(x_sorted, gate_up, counts)
     g, u = h.chunk(2, dim=-1)
-    y = grouped_linear(swiglu(g, u, limit), down, counts)
+    y = linear(swiglu(g, u, limit), down, counts)
     y = y * weights.index_select(0, order).to(y.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     return out.index_add_(0, token_of, y)
@@ -182,37 +190,21 @@ def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts
     if triton_experts.available(x.device):
         return _fused_packed_pairs(x, None, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, idx.shape[1])
     used = torch.unique(idx)  # sync-ok: sorted expert ids; host path (CUDA takes the Triton one above)
-    n_exp = gate_up.n_experts
-    each = (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:])) * gate_up.dtype.itemsize
-    group = max(1, PACKED_TILE_BYTES // each)
-    out = torch.zeros_like(x)  # stays zero when no token routes anywhere (an empty batch)
-    for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
-        ids = used[start:start + group]
-        remap = torch.full((n_exp,), -1, dtype=idx.dtype, device=idx.device)
-        remap[ids] = torch.arange(ids.numel(), dtype=idx.dtype, device=idx.device)
-        sub, gu, dn = remap[idx], gate_up.take(ids), down.take(ids)
-        if ids.numel() == used.numel():
-            return (_dense_experts if dense else _grouped_experts)(x, sub, weights, gu, dn, limit)
-        keep = (sub >= 0).reshape(-1)
-        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])[keep]
-        part = _grouped_pairs(x, tokens, sub.reshape(-1)[keep], weights.reshape(-1)[keep], gu, dn, limit)
-        out.add_(part)
-    return out
+    if 0 < used.numel() <= max(1, PACKED_TILE_BYTES // _packed_bytes(gate_up, down)):  # one group: exact
+        remap = torch.full((gate_up.n_experts,), -1, dtype=idx.dtype, device=idx.device)
+        remap[used] = torch.arange(used.numel(), dtype=idx.dtype, device=idx.device)
+        return (_dense_experts if dense else _grouped_experts)(x, remap[idx], weights, gate_up.take(used),
+                                                               down.take(used), limit)
+    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])
+    return _packed_pairs(x, tokens, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, used)
 
 
 def _fused_packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: PackedExperts, limit,
                         top_k: int = 1) -> torch.Tensor:
-    """``_grouped_pairs`` with the Triton GEMMs that decode packed tiles in registers (``triton_experts``):
-    no expert is ever dequantised to memory."""
-    order = torch.argsort(experts, stable=True)
-    token_of = order // top_k if tokens is None else tokens.index_select(0, order)
-    x_sorted = x.index_select(0, token_of)
-    counts = torch.bincount(experts, minlength=gate_up.n_experts).tolist()  # sync-ok: one launch per routed expert
-    h = triton_experts.packed_grouped_linear(x_sorted, gate_up, counts)
-    g, u = h.chunk(2, dim=-1)
-    y = triton_experts.packed_grouped_linear(swiglu(g, u, limit), down, counts)
-    y = y * weights.index_select(0, order).to(y.dtype).unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token_of, y)
+    """``_grouped_pairs`` through the Triton GEMMs that decode packed tiles in registers: no expert is
+    ever dequantised to memory."""
+    return _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k,
+                          linear=triton_experts.packed_grouped_linear)
 
 
 def grouped_linear(x_sorted: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

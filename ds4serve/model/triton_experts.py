@@ -110,11 +110,11 @@ def packed_matmul(x: torch.Tensor, packed, expert: int) -> torch.Tensor:
     return y
 
 
-def packed_grouped_linear(x_sorted: torch.Tensor, packed, counts: list[int]) -> torch.Tensor:
-    """``grouped_linear`` over packed experts: rows sorted by expert, ``counts[e]`` rows for expert e."""
+def packed_grouped_linear(x_sorted: torch.Tensor, packed, counts: torch.Tensor) -> torch.Tensor:
+    """``moe.grouped_linear`` over packed experts: rows sorted by expert, ``counts[e]`` rows for expert e."""
     out = torch.empty(x_sorted.shape[0], packed.shape[1], dtype=x_sorted.dtype, device=x_sorted.device)
     start = 0
-    for e, n in enumerate(counts):  # a loop over experts, not sequences
+    for e, n in enumerate(counts.tolist()):  # sync-ok: one launch per routed expert (a loop over experts)
         if n:
             out[start:start + n] = packed_matmul(x_sorted[start:start + n], packed, e).to(out.dtype)
             start += n
