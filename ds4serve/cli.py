@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import EngineSettings
+from .config import HOST_KERNEL_MODES, EngineSettings
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
 
@@ -31,6 +31,8 @@ _ENGINE_FLAGS = {
                     "pure-decode step (costs measured at start-up; 0: step tokens alone)"),
     "--max-queue": ("max_queue", int, "waiting requests before 503"),
     "--decode-graphs": ("decode_graphs", str, "pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)"),
+    "--host-kernels": ("host_kernels", str, "text forwards on the host as one native call per step: auto (where it "
+                       "applies: host, float32, one process), on (fail where it cannot), off (the torch path)"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool, "reuse the state of prompt prefixes seen before "
                                 "(vLLM's flag; --no-enable-prefix-caching turns it off)"),
@@ -72,6 +74,8 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
             metavar, text, extra = "MODE", text + "; one of %(choices)s", {"choices": _DecodeGraphModes()}
         elif name == "default_thinking":
             metavar, extra = "on|off", {"choices": THINKING_MODES}
+        elif name == "host_kernels":
+            metavar, extra = "auto|on|off", {"choices": HOST_KERNEL_MODES}
         else:
             extra = {}
         if typ is bool:
@@ -191,6 +195,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
     eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds per stream count (median kept)")
     eng.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there, fp32)")
+    eng.add_argument("--host-kernels", default="auto", choices=HOST_KERNEL_MODES,
+                     help="ds4serve's native host forward (auto: where it applies; off: the torch path)")
     _add_bench_serve(bsub)
     peer = bsub.add_parser("peer", help="ds4serve vs transformers (serve and batched generate), same checkpoint")
     peer.add_argument("--concurrency", default="1,4,16")
@@ -376,7 +382,7 @@ def _bench(args) -> int:
         streams = [int(x) for x in args.streams.split(",") if x.strip()]
         run(streams, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
             compare_hf=not args.no_transformers, json_path=args.json, threads=args.threads,
-            rounds=args.rounds, device=args.device)
+            rounds=args.rounds, device=args.device, host_kernels=args.host_kernels)
         return 0
     if args.bench_command == "serve":  # one line per request from httpx would bury the tables
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -457,6 +457,9 @@ def parse_budget(value: str | int | None) -> tuple[str, int] | None:
     return ("tokens", int(text) * mult)
 
 
+HOST_KERNEL_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """Knobs of the engine; every one has a safe default (resolved against the model and device)."""
@@ -479,6 +482,10 @@ class EngineSettings:
     # pure-decode steps, one of engine.decode_graphs.MODES ("auto": CUDA graphs on CUDA, else off); checked
     # by the runtime (this module is a leaf and does not restate the list)
     decode_graphs: str = "auto"
+    # text forwards (decode rows and prefill chunks) on the host as one native call per step
+    # (model/host_decode.py): "auto" where it applies (host, fp32, one process; else the torch path,
+    # reason logged), "on" (start-up fails where it cannot), "off" (the torch path always)
+    host_kernels: str = "auto"
     # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
     # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
     enable_prefix_caching: bool = True
@@ -497,6 +504,7 @@ class EngineSettings:
             (self.max_queue >= 1, "max_queue must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.prefix_interval >= 16, "prefix_interval must be >= 16 tokens"),
+            (self.host_kernels in HOST_KERNEL_MODES, f"host_kernels must be one of {', '.join(HOST_KERNEL_MODES)}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -36,19 +36,27 @@ def test_render_states_targets():
                              "products_ms": 1.0, "decode_graphs": "cuda", "graph_captures": 3, "graph_replays": 90,
                              "graphs_disabled": "RuntimeError: x"}, rows)
     assert "cuda, 3 captured, 90 replays, TURNED OFF: RuntimeError: x" in line
+    line = render_breakdown({"streams": 16, "step_ms": 6.0, "forward_ms": 4.5, "native": True, "torch_calls": 90.0,
+                             "products": 0, "products_ms": 0.0}, rows)
+    assert "4.5 ms in the native host forward" in line and "matrix products" not in line
 
 
-def test_breakdown_of_a_real_engine(tmp_path):
+@pytest.mark.parametrize("host_kernels", ["auto", "off"])
+def test_breakdown_of_a_real_engine(tmp_path, host_kernels):
     pytest.importorskip("transformers")
     from ds4serve.bench.engine_bench import make_checkpoint
 
     path = make_checkpoint(tmp_path)
-    ours = _Ours(path, max_streams=4, prompt_len=8, new_tokens=12)
+    ours = _Ours(path, max_streams=4, prompt_len=8, new_tokens=12, host_kernels=host_kernels)
     tok_s, step_ms = ours(4)
     assert tok_s > 0 and step_ms > 0
     split = ours.breakdown(4, steps=3)
-    assert split["streams"] == 4 and split["torch_calls"] > 100 and split["products"] > 10
-    assert 0 < split["products_ms"] and 0 < split["step_ms"]
+    assert split["streams"] == 4 and 0 < split["forward_ms"] < split["step_ms"]
+    assert split["native"] is (ours.llm.core.engine.host is not None)
+    if host_kernels == "off":
+        assert not split["native"]
+    if not split["native"]:  # the torch path's products are recorded and replayed
+        assert split["torch_calls"] > 100 and split["products"] > 10 and 0 < split["products_ms"]
     assert split["decode_graphs"] == "off" and split["graph_replays"] == 0
     assert not ours.llm.core.has_work
 

@@ -208,7 +208,7 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
 
     tok = Tokenizer(random_ckpt)
     solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False).core
-    core = LLM(random_ckpt, max_seqs=16, kv_budget=1024, host_budget="400KB", step_tokens=64,
+    core = LLM(random_ckpt, max_seqs=16, kv_budget=768, host_budget="400KB", step_tokens=64,
                max_prefill_tokens=128, prefix_cache_budget="4MB").core
     prompts, images = _mixed(core, tok, solo_core)
     params = [_params(8) for _ in prompts]

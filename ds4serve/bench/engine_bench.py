@@ -106,12 +106,14 @@ def make_checkpoint_without_transformers(root: Path) -> Path:
 class _Ours:
     """ds4serve's engine on the checkpoint; one call = one round of ``n`` streams."""
 
-    def __init__(self, path: Path, max_streams: int, prompt_len: int, new_tokens: int, device: str = "cpu"):
+    def __init__(self, path: Path, max_streams: int, prompt_len: int, new_tokens: int, device: str = "cpu",
+                 host_kernels: str = "auto"):
         from ..llm import LLM
 
         self.device = torch.device(device)
         self.llm = LLM(path, device=device, max_seqs=max_streams, max_model_len=prompt_len + new_tokens + 8,
-                       max_prefill_tokens=max(1024, prompt_len), step_tokens=max_streams + 64)
+                       max_prefill_tokens=max(1024, prompt_len), step_tokens=max_streams + 64,
+                       host_kernels=host_kernels)
         self.prompt_len, self.new_tokens = prompt_len, new_tokens
         self.gen = torch.Generator().manual_seed(5)
 
@@ -159,6 +161,7 @@ class _Ours:
             core.step()
             times.append(time.perf_counter() - t)
         wall = statistics.median(times)
+        forward = self._forward_ms(steps)
         with _Calls():
             for _ in range(steps):
                 core.step()
@@ -169,10 +172,31 @@ class _Ours:
         products = [(e.name, e.input_shapes) for e in prof.events()
                     if e.name in _PRODUCTS and _flops(e.name, e.input_shapes) >= 100_000]
         runner = core.engine.decode
-        return {"streams": n, "step_ms": 1000 * wall, "torch_calls": calls, "products": len(products),
+        return {"streams": n, "step_ms": 1000 * wall, "forward_ms": forward, "native": core.engine.host is not None,
+                "torch_calls": calls, "products": len(products),
                 "products_ms": 1000 * _replay(products, self.device), "decode_graphs": runner.mode,
                 "graph_captures": runner.stats["captures"], "graph_replays": runner.stats["replays"],
                 "graphs_disabled": runner.disabled}
+
+    def _forward_ms(self, steps: int) -> float:
+        """Median ms per step inside the model forward (native or torch): the rest of a step is view
+        building, sampling and scheduling."""
+        engine, spent = self.llm.core.engine, []
+        forward = engine._forward
+
+        def timed(view):
+            t = time.perf_counter()
+            out = forward(view)
+            spent.append(time.perf_counter() - t)
+            return out
+
+        engine._forward = timed
+        try:
+            for _ in range(steps):
+                self.llm.core.step()
+        finally:
+            del engine._forward
+        return 1000 * statistics.median(spent) if spent else 0.0
 
 
 _PRODUCTS = {"aten::mm": 2, "aten::bmm": 2, "aten::addmm": 3, "aten::baddbmm": 3}
@@ -239,11 +263,12 @@ class _Transformers:
 
 
 def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, compare_hf: bool,
-            rounds: int, device: str = "cpu") -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]], dict[str, float]]:
+            rounds: int, device: str = "cpu", host_kernels: str = "auto",
+            ) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]], dict[str, float]]:
     """Median over ``rounds`` of (tok/s, step ms) per stream count, ours and transformers'
     interleaved round by round so that a machine that speeds up or slows down mid-run (shared
     CPUs do) shifts both sides alike. One unmeasured warm-up round each first."""
-    ours = _Ours(path, max(streams), prompt_len, new_tokens, device)
+    ours = _Ours(path, max(streams), prompt_len, new_tokens, device, host_kernels)
     hf = _Transformers(path, prompt_len, new_tokens, device) if compare_hf else None
     runners = [("ours", ours)] + ([("hf", hf)] if hf else [])
     for _, run_one in runners:
@@ -263,12 +288,13 @@ def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, co
 
 
 def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
-        json_path: str | None = None, threads: int | None = None, rounds: int = 3, device: str = "cpu") -> list[Row]:
+        json_path: str | None = None, threads: int | None = None, rounds: int = 3, device: str = "cpu",
+        host_kernels: str = "auto") -> list[Row]:
     if threads:
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(Path(tmp))
-        ours, hf, split = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds, device)
+        ours, hf, split = measure(path, streams, prompt_len, new_tokens, compare_hf, rounds, device, host_kernels)
     rows = [Row(n, ours[n][0], ours[n][1], hf.get(n, (None, None))[0], hf.get(n, (None, None))[1]) for n in streams]
     print(render(rows, prompt_len, new_tokens, rounds, device))
     print(render_breakdown(split, rows))
@@ -302,9 +328,14 @@ def render(rows: list[Row], prompt_len: int, new_tokens: int, rounds: int = 1, d
 
 def render_breakdown(split: dict[str, float], rows: list[Row]) -> str:
     """One line on where a decode step's time goes, and what the 5x target leaves for it."""
-    line = (f"one {split['streams']}-stream decode step: {split['step_ms']:.1f} ms, {split['torch_calls']:.0f} torch "
-            f"calls from Python; replaying only its {split['products']} matrix products of >= 100 kFLOP takes "
-            f"{split['products_ms']:.1f} ms")
+    if split.get("native"):
+        line = (f"one {split['streams']}-stream decode step: {split['step_ms']:.1f} ms, of which {split['forward_ms']:.1f} "
+                f"ms in the native host forward (one call); the rest ({split['torch_calls']:.0f} torch calls from "
+                "Python) is view building, the LM head, sampling and scheduling")
+    else:
+        line = (f"one {split['streams']}-stream decode step: {split['step_ms']:.1f} ms ({split.get('forward_ms', 0):.1f} "
+                f"ms in the torch forward), {split['torch_calls']:.0f} torch calls from Python; replaying only its "
+                f"{split['products']} matrix products of >= 100 kFLOP takes {split['products_ms']:.1f} ms")
     hf = {r.streams: r for r in rows}.get(split["streams"])
     if hf and hf.hf_step_ms:
         line += f"; 5x transformers needs a {hf.hf_step_ms / 5:.1f} ms step"

@@ -22,6 +22,7 @@ from ..cache.manager import CacheManager
 from ..config import ModelConfig
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
+from ..model.host_decode import HostDecoder
 from .decode_graphs import DecodeRunner, resolve_mode
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class _PassState:
     members: tuple[PassMember, ...]
     view: BatchView
-    rope: RopeTables
+    rope: RopeTables | None  # the torch path's rotations, made on its first slice (None: not yet, or native)
     cursor: int
 
 
@@ -44,9 +45,10 @@ class StepError(RuntimeError):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
-                 sample: bool = True):
+                 sample: bool = True, host_kernels: str = "off"):
         """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
-        (and so the LM head) to rank 0."""
+        (and so the LM head) to rank 0. ``host_kernels``: text forwards as one native call where that
+        applies (``EngineSettings.host_kernels``)."""
         self.cfg = cfg
         self.sample = sample
         self.model = model
@@ -57,6 +59,49 @@ class Engine:
         state = cache.state
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
+        self.host = self._host_decoder(host_kernels)
+
+    def _host_decoder(self, mode: str) -> HostDecoder | None:
+        if mode == "off" or self.model is None:
+            return None
+        host, why = HostDecoder.create(self.cfg, self.model, self.cache.state.layers)
+        if host is None:
+            if mode == "on":
+                raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
+            log.info("native host forward not used (%s): text forwards take the torch path", why)
+        else:
+            log.info("native host forward on: text forwards (decode rows and prefill chunks) run as one native "
+                     "call per step; image passes take the torch path")
+        return host
+
+    def disable_host(self, why: str) -> None:
+        """Back to the torch path for good (the start-up self-check found a difference)."""
+        if self.host is not None:
+            log.error("native host forward turned off (%s); text forwards take the torch path", why)
+            self.host.close()
+            self.host = None
+
+    @torch.inference_mode()
+    def host_disagrees(self, chunks: list[SeqChunk], what: str, tolerance: float) -> str | None:
+        """Run one forward of ``chunks`` both ways, and the LM head on its last row: None when the native
+        results are within ``tolerance`` of the torch ones (relative to their scale), else what differs.
+        Only for views that are the same forward when run twice (see ``warmup.check_host``)."""
+        view = self._view(chunks)
+        ref = self._decode_forward(view)
+        got = self.host.forward(view)
+        pairs = ((ref, got, "hidden states"), (self.model.logits(ref[-1:]), self.host.logits(ref[-1:]), "logits"))
+        for a, b, name in pairs:
+            scale = max(1.0, float(a.abs().max()))  # sync-ok: start-up self-check
+            diff = float((a - b).abs().max()) if bool(torch.isfinite(b).all()) else float("inf")  # sync-ok
+            if not diff <= tolerance * scale:
+                return f"{name} of {what} differ by {diff:.3g} (scale {scale:.3g})"
+        return None
+
+    def _forward(self, view: BatchView) -> torch.Tensor:
+        """Embedding + every layer: natively where the host decoder takes the view, else torch."""
+        if self.host is not None and self.host.takes(view):
+            return self.host.forward(view)
+        return self._decode_forward(view)
 
     def _decode_forward(self, view: BatchView) -> torch.Tensor:
         return self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
@@ -112,7 +157,7 @@ class Engine:
         view = self._view(chunks)
         streams = self.decode.run(view, len(chunks)) if self.decode.enabled and not whole and view.is_image is None else None
         if streams is None:
-            streams = self._decode_forward(view)
+            streams = self._forward(view)
         ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
         pick = [int(e) for e, w in zip(ends, want) if w is not None]
         if pick:
@@ -141,8 +186,8 @@ class Engine:
                     raise StepError(f"pass {p.pass_id}: {len(m.ids)} rows exceed the staging size "
                                     f"{self.cache.staging_rows}")
             view = self._view([self._member_chunk(m) for m in p.members])
-            st = _PassState(members=p.members, view=view, rope=self.model.rope_tables(view), cursor=0)
-            streams = self.model.embed(view)
+            st = _PassState(members=p.members, view=view, rope=None, cursor=0)
+            streams = None
         else:
             if st is None or st.cursor != p.layer_start:
                 raise StepError(f"pass {p.pass_id}: slice starts at layer {p.layer_start}, "
@@ -150,8 +195,7 @@ class Engine:
             if tuple(m.request_id for m in st.members) != tuple(m.request_id for m in p.members):
                 self._shrink(p, st)
             streams = self._load_staging(st.members)
-        streams = self.model.forward_layers(streams, st.view, self.cache.state.layers, p.layer_start, p.layer_stop,
-                                            rope=st.rope)
+        streams = self._layers(st, streams, p.layer_start, p.layer_stop)
         st.cursor = p.layer_stop
         if p.layer_stop < self.num_layers:
             self._passes[p.pass_id] = st
@@ -168,6 +212,16 @@ class Engine:
                     samplers.append(m.sampler)
         return PassProgress(p.pass_id, st.cursor, True)
 
+    def _layers(self, st: _PassState, streams: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+        """Layers ``[start, stop)`` of a pass (from its embedding when ``streams`` is None)."""
+        if self.host is not None and self.host.takes(st.view):
+            return self.host.forward(st.view, start, stop, streams)
+        if streams is None:
+            streams = self.model.embed(st.view)
+        if st.rope is None:
+            st.rope = self.model.rope_tables(st.view)
+        return self.model.forward_layers(streams, st.view, self.cache.state.layers, start, stop, rope=st.rope)
+
     def _shrink(self, p: PassSlice, st: _PassState) -> None:
         """Members left the pass (aborted): continue with the rest, re-indexed for their rows only."""
         before = [m.request_id for m in st.members]
@@ -176,7 +230,7 @@ class Engine:
             raise StepError(f"pass {p.pass_id}: members {kept} are not an ordered subset of {before}")
         st.members = p.members
         st.view = self._view([self._member_chunk(m) for m in p.members])
-        st.rope = self.model.rope_tables(st.view)
+        st.rope = None
 
     def _store_staging(self, members, streams: torch.Tensor) -> None:
         offset = 0
@@ -192,7 +246,8 @@ class Engine:
     def _sample(self, rows, samplers, owners) -> list[SampledToken]:
         if not samplers or not self.sample:
             return []
-        logits = self.model.logits(torch.cat(rows) if len(rows) > 1 else rows[0])
+        streams = torch.cat(rows) if len(rows) > 1 else rows[0]
+        logits = self.host.logits(streams) if self.host is not None else self.model.logits(streams)
         draws = sample_rows(logits, samplers)
         out = []
         for (rid, slot), d in zip(owners, draws):

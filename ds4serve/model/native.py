@@ -109,8 +109,14 @@ enabled = True  # tests switch this off to compare against the torch form
 
 def _build(root: Path) -> Path:
     """Compile the source into ``root/<hash>/kernels.so`` unless it is already there."""
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    out = root / digest / "kernels.so"
+    return build_library(root, "kernels", _SOURCE, _FLAGS, _LIBS)
+
+
+def build_library(root: Path, name: str, source: str, flags: list[str], libs: list[str], key: str = "") -> Path:
+    """Compile C ``source`` into ``root/<hash>/<name>.so`` unless it is already there (``key``: anything
+    else the build depends on, e.g. the CPU it is tuned for). Raises ``RuntimeError`` when it cannot."""
+    digest = hashlib.sha256((source + " ".join(flags + libs) + key).encode()).hexdigest()[:16]
+    out = root / digest / f"{name}.so"
     if out.exists():
         return out
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -118,10 +124,10 @@ def _build(root: Path) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, built = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
-        src.write_text(_SOURCE)
-        done = subprocess.run([cc, *_FLAGS, "-o", str(built), str(src), *_LIBS], capture_output=True, text=True,
-                              timeout=60)
+        src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        done = subprocess.run([cc, *flags, "-o", str(built), str(src), *libs], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
         os.replace(built, out)  # atomic: a concurrent process sees the whole library or none

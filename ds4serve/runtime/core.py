@@ -118,7 +118,7 @@ class EngineCore:
             return factory(self.cfg, model, self.cache)
         if mode == "cuda" and self.device.type != "cuda":
             raise ConfigError("decode_graphs='cuda' needs a CUDA device")
-        return Engine(self.cfg, model, self.cache, decode_graphs=mode)
+        return Engine(self.cfg, model, self.cache, decode_graphs=mode, host_kernels=self.settings.host_kernels)
 
     def _log_sizes(self, layout: StateLayout) -> None:
         r, s = self.resolved, self.settings

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..cache import SeqChunk
 from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_step_result
 from ..engine.sampling import SamplerState, SamplingParams
 from ..multimodal.layout import image_block
@@ -27,6 +28,7 @@ def warm_up(core: EngineCore) -> None:
     """A layer-sliced pass through staging, a merged decode + chunk forward, greedy / random /
     logprob sampling, suspend and restore; then, with an encoder, one image through a pass."""
     t0 = time.perf_counter()
+    check_host(core)
     _warm_text(core)
     if core.encoder is not None:
         _warm_image(core)
@@ -90,3 +92,39 @@ def _warm_image(core: EngineCore) -> None:
     finally:
         cache.drop(slot)
         encoder.cancel("warmup")
+
+
+HOST_TOLERANCE = 1e-3  # of the hidden states' scale: fp32 paths that differ only in summation order agree to ~1e-6
+
+
+def check_host(core: EngineCore) -> None:
+    """The native host forward against the torch path, on a scratch slot: a prefill chunk from position 0
+    (it reads no ring row, so running it twice is the same forward) and a decode row after it (idempotent:
+    it rewrites its own rows), then the LM head. A difference turns the native forward off, loudly
+    (with ``host_kernels="on"`` start-up fails): it can make a step faster, never wrong."""
+    engine, cache = core.engine, core.cache
+    host = getattr(engine, "host", None)
+    if host is None:
+        return
+    room = cache.free_pages * cache.layout.page_tokens - 2  # the pool may be tiny (tests force eviction)
+    n = max(2, min(2 * core.cfg.sliding_window + 9, core.settings.max_prefill_tokens, core.resolved.max_model_len - 2,
+                   room))
+    slot = cache.alloc_slot()
+    try:
+        if slot is None or not cache.reserve({slot: n + 1}):
+            raise RuntimeError("warm-up: no room for the native forward's self-check")
+        ids = tuple(3 + i % max(1, core.cfg.vocab_size - 3) for i in range(n))
+        problem = engine.host_disagrees([SeqChunk(slot, 0, ids, cache.block_table(slot))], "a prefill chunk",
+                                        HOST_TOLERANCE) or \
+            engine.host_disagrees([SeqChunk(slot, n, (ids[-1],), cache.block_table(slot))], "a decode row",
+                                  HOST_TOLERANCE)
+    finally:
+        if slot is not None:
+            cache.drop(slot)
+    if problem is None:
+        log.info("native host forward agrees with the torch path (prefill chunk of %d tokens, decode row, LM head)", n)
+        return
+    if core.settings.host_kernels == "on":
+        raise RuntimeError(f"host_kernels='on', but the native forward disagrees with the torch path: {problem}")
+    engine.disable_host(problem)
+

@@ -285,7 +285,7 @@ class Scheduler:
         group: list[tuple[Request, PassMember]] = []
         for req in [r for r in self._lane(lane) if r.status is RequestStatus.PREFILLING and r.pass_id is None]:
             if req.images:
-                n, with_block = self._image_chunk(req)
+                n, with_block = self._image_chunk(req, self.limits.max_prefill_tokens if idle else tokens_left)
                 if n == 0:
                     continue  # its next block's image is still encoding (or it just failed)
                 if with_block:  # whole blocks go through a shared image pass
@@ -330,14 +330,19 @@ class Scheduler:
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
                           sampler=req.sampler, spans=req.spans, images=images, captures=self.reuse.captures(req, lo, hi))
 
-    def _image_chunk(self, req: Request) -> tuple[int, bool]:
+    def _image_chunk(self, req: Request, budget: int) -> tuple[int, bool]:
         """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
 
+        ``budget``: the step's prefill tokens (all of ``max_prefill_tokens`` when nothing decodes). Beside
+        decoders a chunk that reaches a block ends with it (the planner swallows the block and stops): the
+        text after the block follows as ordinary token chunks, so the layer-sliced pass holds the block,
+        not the question after it, and one of its slices stays near a decode step's length.
         Returns ``(n, contains_a_block)``; ``n == 0`` means wait (or the request just failed)."""
         spans = req.spans
         blocks = [(sp.start, sp.end) for sp in spans]
         lo = req.computed
-        n = next_chunk(lo, req.total_len, self.limits.max_prefill_tokens, blocks, self.limits.min_prefill_tokens)
+        budget = max(1, min(budget, self.limits.max_prefill_tokens))
+        n = next_chunk(lo, req.total_len, budget, blocks, self.limits.min_prefill_tokens)
         hi = lo + n
         for im, sp in zip(self._images(req), req.live_spans):
             if sp.end <= lo or sp.start >= hi:

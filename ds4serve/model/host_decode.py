@@ -1,0 +1,411 @@
+"""The decode forward on the host as one native call per step (``csrc/host_decode.c``).
+
+Why: a decode step of the torch path on a CPU is ~1,700 dispatched ops, most of its time in Python and
+dispatch rather than arithmetic, and the BLAS under it is slow for the 1-32-row products of decode
+(MKL takes a generic path on AMD CPUs: a 1,024 x 512 product of one row runs at ~4 GFLOP/s there).
+``HostDecoder`` runs the same network for pure-decode views (one token per sequence) in C: products by
+kernels written for these shapes, everything else as plain loops, OpenMP across output columns and
+(row, head) pairs; and the LM head the same way. The torch path stays the reference and the fallback:
+the engine checks this one against it at start-up, and tests pin them together (fp32).
+
+Where it applies: host tensors, fp32 weights and state, one process (no tensor parallel), experts
+dequantised at load. Anything else keeps the torch path, with the reason logged once.
+
+Weights the native products read as ``[in, out]`` are stored that way once, in place: the parameter
+becomes a transposed view of the same memory (no copy is kept), which torch's own products take as
+readily, so both paths share one copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import threading
+from ctypes import POINTER, byref, c_float, c_int, c_int64, c_void_p
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import AttnKind, ModelConfig, cache_root
+from .batch import BatchView, LayerState
+from .native import build_library
+from .packed import PackedExperts
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "host_decode.c"
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared"]
+# tuned for this CPU where the compiler can (the build is cached per CPU), threaded where OpenMP exists
+_ATTEMPTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+MAX_EXPERTS = 512  # fixed buffers in the C code
+MAX_HC = 16
+MAX_SPAN = 1024
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("p", c_void_p), ("ld", c_int64), ("kn", c_int64)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, c_int64) for n in (
+        "hidden", "hc", "n_heads", "head_dim", "rope_dim", "q_lora", "o_groups", "o_lora", "idx_heads", "idx_dim",
+        "idx_topk", "n_experts", "top_k", "moe_inter", "shared_inter", "vocab", "sinkhorn_iters", "scoring",
+        "norm_topk", "window")] + [(n, c_float) for n in ("rms_eps", "hc_eps", "swiglu_limit", "routed_scale")]
+
+
+def _fields(kind, *names):
+    return [(n, kind) for n in names]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = (_fields(c_int64, "kind", "ratio", "comp_key", "vis_key") + _fields(_Weight, "hc_attn_fn", "hc_ffn_fn")
+                + _fields(c_void_p, "hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale", "attn_norm",
+                          "ffn_norm")
+                + _fields(_Weight, "q_a", "q_b", "kv", "o_a", "o_b") + _fields(c_void_p, "q_a_norm", "kv_norm", "sinks")
+                + _fields(_Weight, "c_kv", "c_gate") + _fields(c_void_p, "c_ape", "c_norm")
+                + _fields(_Weight, "i_kv", "i_gate", "i_q_b", "i_w") + _fields(c_void_p, "i_ape", "i_norm")
+                + _fields(_Weight, "gate") + _fields(c_void_p, "gate_bias", "bias_vl", "tid2eid")
+                + _fields(c_int64, "tid2eid_rows")
+                + _fields(c_void_p, "exp_gate_up", "exp_down") + _fields(_Weight, "sh_gate", "sh_up", "sh_down")
+                + _fields(c_int64, "has_shared") + _fields(c_void_p, "swa", "comp_ring", "comp_pool", "idx_ring",
+                                                           "idx_pool")
+                + _fields(c_int64, "swa_rows", "comp_ring_rows", "idx_ring_rows")
+                + _fields(c_void_p, "snap_swa", "snap_comp", "snap_idx"))
+
+
+class _Model(ctypes.Structure):
+    _fields_ = (_fields(c_void_p, "embed", "image_start", "image_pad", "image_newline", "image_end", "inv_freq_main",
+                        "inv_freq_comp") + _fields(c_float, "af_main", "af_comp")
+                + _fields(_Weight, "head_fn") + _fields(c_void_p, "head_base", "head_scale", "final_norm")
+                + _fields(_Weight, "lm_head") + [("n_layers", c_int64), ("layers", POINTER(_Layer)), ("d", _Dims)])
+
+
+class _CompView(ctypes.Structure):
+    _fields_ = (_fields(c_int64, "ratio", "overlap", "span", "E", "M")
+                + _fields(c_void_p, "emit_slots", "emit_valid", "emit_pos", "emit_rows", "ring_dst", "ring_src"))
+
+
+class _VisView(ctypes.Structure):
+    _fields_ = [("R", c_int64), ("rows", c_void_p), ("valid", c_void_p)]
+
+
+class _Capture(ctypes.Structure):
+    _fields_ = _fields(c_int64, "ring_len", "n_old", "n_new") + _fields(c_void_p, "old_dst", "old_src", "new_dst",
+                                                                          "new_src")
+
+
+MAX_CAPTURES = 8
+
+
+class _StepView(ctypes.Structure):
+    _fields_ = (_fields(c_int64, "T", "Kw", "M", "after_write")
+                + _fields(c_void_p, "ids", "positions", "swa_keys", "swa_dst", "swa_src", "swa_valid", "is_image")
+                + [("n_image_rows", c_int64)] + _fields(c_void_p, "image_rows", "image_embeds")
+                + _fields(c_int64, "n_comp", "n_vis", "n_cap")
+                + [("comp", _CompView * 4), ("vis", _VisView * 4), ("cap", _Capture * MAX_CAPTURES)])
+
+
+class _Arena(ctypes.Structure):
+    _fields_ = [("buf", c_void_p), ("cap", c_int64), ("used", c_int64)]
+
+
+# ---- building and loading the library ----------------------------------------------------------
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _cpu_key() -> str:
+    """What ``-march=native`` tunes for: the CPU's model and feature flags (the cache may be shared)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def library() -> ctypes.CDLL | None:
+    """The built decode library, or ``None`` (the torch path is used) when it cannot be built here."""
+    global _lib, _failure
+    if _lib is not None or _failure is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _failure is None:
+            errors = []
+            for extra in _ATTEMPTS:
+                try:
+                    path = build_library(cache_root() / "native", "host_decode", _SOURCE.read_text(),
+                                         _BASE_FLAGS + extra, ["-lm"], key=_cpu_key())
+                    _lib = _bind(ctypes.CDLL(str(path)))
+                    if "-fopenmp" not in extra:
+                        log.warning("host decode kernels built without OpenMP: one thread (%s)", errors[-1])
+                    break
+                except (OSError, RuntimeError) as exc:
+                    errors.append(f"{' '.join(extra) or 'plain'}: {exc}")
+            else:
+                _failure = "; ".join(errors)
+                log.warning("host decode kernels unavailable (%s); decode runs on the torch path", _failure)
+    return _lib
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.ds4_vector_width.restype = c_int
+    lib.ds4_forward.argtypes = [POINTER(_Model), POINTER(_StepView), c_void_p, c_int64, c_int64, POINTER(_Arena),
+                                c_int]
+    lib.ds4_forward.restype = c_int
+    lib.ds4_logits.argtypes = [POINTER(_Model), c_void_p, c_int64, c_void_p, POINTER(_Arena), c_int]
+    lib.ds4_logits.restype = c_int
+    lib.ds4_arena_free.argtypes = [POINTER(_Arena)]
+    return lib
+
+
+# ---- the decoder ---------------------------------------------------------------------------------
+
+def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> str | None:
+    """Why this model and state cannot take the native decode (None: it can)."""
+    params = list(model.parameters()) + [t for st in states for t in (st.swa, st.comp_ring, st.comp_pool,
+                                                                      st.idx_ring, st.idx_pool) if t is not None]
+    if any(p.device.type != "cpu" for p in params):
+        return "not on the host"
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in params):
+        return "weights or state not in float32"
+    layers = model.model.layers
+    if any(ly.self_attn.reduce is not None or ly.mlp.reduce is not None or ly.mlp.expert_range is not None
+           for ly in layers):
+        return "tensor / expert parallel"
+    if any(isinstance(ly.mlp.experts.gate_up_proj, PackedExperts) for ly in layers):
+        return "packed experts"
+    if cfg.n_routed_experts > MAX_EXPERTS or cfg.hc_mult > MAX_HC or 2 * max(cfg.compress_ratios) > MAX_SPAN:
+        return f"more than {MAX_EXPERTS} experts, {MAX_HC} hyper-connection streams or a compress span over {MAX_SPAN}"
+    return None
+
+
+class HostDecoder:
+    """The native decode forward and LM head of one model over one ``ModelState``'s tensors."""
+
+    def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL):
+        self.cfg, self.lib = cfg, lib
+        self.vw = lib.ds4_vector_width()
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer was taken from
+        self.comp_keys = sorted({(r, cfg.attn_kinds[i] is AttnKind.CSA) for i, r in enumerate(cfg.compress_ratios) if r})
+        self.ratios = list(cfg.distinct_ratios)
+        self._states = states
+        self._layers = (_Layer * cfg.num_layers)(*[self._layer(i, ly, st) for i, (ly, st)
+                                                   in enumerate(zip(model.model.layers, states))])
+        m = model.model
+        self.model = _Model(
+            embed=self._ptr(m.embed_tokens.weight), **{name: self._ptr(getattr(model, name, None)) for name in (
+                "image_start", "image_pad", "image_newline", "image_end")},
+            inv_freq_main=self._ptr(model.inv_freq_main),
+            inv_freq_comp=self._ptr(model.inv_freq_compress), af_main=cfg.rope_main.attention_factor,
+            af_comp=cfg.rope_compress.attention_factor, head_fn=self._weight(m.hc_head.hc_fn, kn=False),
+            head_base=self._ptr(m.hc_head.hc_base), head_scale=self._ptr(m.hc_head.hc_scale),
+            final_norm=self._ptr(m.norm.weight), lm_head=self._weight(model.lm_head.weight), n_layers=cfg.num_layers,
+            layers=self._layers, d=self._dims(cfg))
+        self._arena, self._head_arena = _Arena(), _Arena()
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> tuple["HostDecoder | None", str]:
+        """The decoder, or ``(None, why not)``."""
+        why = unsupported(cfg, model, states)
+        if why is not None:
+            return None, why
+        lib = library()
+        if lib is None:
+            return None, f"the kernels could not be built ({_failure})"
+        return cls(cfg, model, states, lib), ""
+
+    def close(self) -> None:
+        for arena in (self._arena, self._head_arena):
+            self.lib.ds4_arena_free(byref(arena))
+
+    def __del__(self):  # the arenas are C memory
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- per step ----------------------------------------------------------------------------
+    @staticmethod
+    def takes(view: BatchView) -> bool:
+        """Whether ``forward`` runs this view (every view the engine builds, up to ``MAX_CAPTURES``
+        prefix-cache snapshots inside one forward)."""
+        return len(view.captures or {}) <= MAX_CAPTURES
+
+    def forward(self, view: BatchView, start: int = 0, stop: int | None = None,
+                streams: torch.Tensor | None = None) -> torch.Tensor:
+        """Layers ``[start, stop)`` of ``view`` (decode rows, prefill chunks, image blocks): from the
+        embedding when ``start`` is 0, else from ``streams [T, hc, D]`` (updated in place and returned).
+        State tensors (rings, pools, snapshot rows) are written in place, exactly where the torch path
+        writes them."""
+        if not self.takes(view):
+            raise ValueError(f"the native forward takes at most {MAX_CAPTURES} prefix snapshots per forward")
+        stop = self.cfg.num_layers if stop is None else stop
+        keep: list[torch.Tensor] = []
+        sv = self._step_view(view, keep)
+        if start == 0:
+            streams = torch.empty(view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size)
+        elif streams is None or streams.dtype != torch.float32 or not streams.is_contiguous() \
+                or tuple(streams.shape) != (view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size):
+            raise ValueError("a forward from a middle layer needs its input streams [T, hc, D] (contiguous fp32)")
+        rc = self.lib.ds4_forward(byref(self.model), byref(sv), streams.data_ptr(), start, stop, byref(self._arena),
+                                  torch.get_num_threads())
+        _check(rc)
+        return streams
+
+    def _step_view(self, view: BatchView, keep: list[torch.Tensor]) -> _StepView:
+        sv = _StepView(T=view.num_tokens, Kw=view.swa_keys.shape[1], M=view.swa_dst.shape[0],
+                       after_write=int(view.rings_after_write), n_comp=len(self.comp_keys), n_vis=len(self.ratios))
+        for name in ("ids", "positions", "swa_keys", "swa_dst", "swa_src", "swa_valid"):
+            setattr(sv, name, _arg(getattr(view, name), keep))
+        if view.is_image is not None:
+            sv.is_image = _arg(view.is_image, keep)
+        if view.image_rows is not None and view.image_embeds is not None:
+            if tuple(view.image_embeds.shape) != (view.image_rows.shape[0], self.cfg.hidden_size):
+                raise ValueError(f"image rows of shape {tuple(view.image_embeds.shape)} for {view.image_rows.shape[0]} "
+                                 f"IMAGE slots of width {self.cfg.hidden_size}")
+            sv.n_image_rows = view.image_rows.shape[0]
+            sv.image_rows = _arg(view.image_rows, keep)
+            sv.image_embeds = _arg(view.image_embeds.to(torch.float32), keep)
+        for i, key in enumerate(self.comp_keys):
+            ci = view.compress[key]
+            sv.comp[i] = _CompView(ci.ratio, int(ci.overlap), ci.span, ci.emit_rows.shape[0], ci.ring_dst.shape[0],
+                                   *(_arg(getattr(ci, f), keep) for f in ("emit_slots", "emit_valid", "emit_pos",
+                                                                          "emit_rows", "ring_dst", "ring_src")))
+        for i, ratio in enumerate(self.ratios):
+            vr = view.visible[ratio]
+            sv.vis[i] = _VisView(vr.rows.shape[1], _arg(vr.rows, keep), _arg(vr.valid, keep))
+        self._captures(view, sv, keep)
+        return sv
+
+    def _captures(self, view: BatchView, sv: _StepView, keep: list[torch.Tensor]) -> None:
+        """Prefix-cache snapshots inside this forward: the capture index lists, and the arena rows of
+        every layer (read now: the prefix cache attaches its arena to the state after start-up)."""
+        caps = view.captures or {}
+        sv.n_cap = len(caps)
+        for i, (ring_len, cap) in enumerate(sorted(caps.items())):
+            sv.cap[i] = _Capture(ring_len, cap.old_dst.shape[0], cap.new_dst.shape[0],
+                                 *(_arg(getattr(cap, f), keep) for f in ("old_dst", "old_src", "new_dst", "new_src")))
+        for layer, st in zip(self._layers, self._states):
+            snap = st.snap if caps else None
+            for field, name in (("snap_swa", "swa"), ("snap_comp", "comp_ring"), ("snap_idx", "idx_ring")):
+                t = snap.get(name) if snap else None
+                setattr(layer, field, _arg(t, keep) if t is not None else None)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """``DS4ForCausalLM.logits`` natively: fp32 logits ``[N, vocab]`` of streams ``[N, hc, D]``."""
+        streams = streams.contiguous()
+        if streams.dtype != torch.float32 or streams.device.type != "cpu":
+            raise ValueError("the native LM head takes host float32 streams")
+        out = torch.empty(streams.shape[0], self.cfg.vocab_size)
+        rc = self.lib.ds4_logits(byref(self.model), streams.data_ptr(), streams.shape[0], out.data_ptr(),
+                                 byref(self._head_arena), torch.get_num_threads())
+        _check(rc)
+        return out
+
+    # ---- descriptors (once) ------------------------------------------------------------------
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        if not t.is_contiguous():
+            raise ValueError("a tensor the native decode reads is not contiguous")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _weight(self, param: torch.Tensor, kn: bool = True) -> _Weight:
+        """A projection weight ``[out, in]``: stored ``[in, out]`` (in place) where the kernel takes it so."""
+        n_out, n_in = param.shape
+        data = param.data
+        if kn and n_out % self.vw == 0:
+            if not (data.stride() == (1, n_out)):  # not yet stored transposed: do it once
+                param.data = data.t().contiguous().t()
+            self._keep.append(param.data)
+            return _Weight(param.data.data_ptr(), n_out, 1)
+        if not data.is_contiguous():
+            param.data = data.contiguous()
+        self._keep.append(param.data)
+        return _Weight(param.data.data_ptr(), n_in, 0)
+
+    def _layer(self, i: int, ly: nn.Module, st: LayerState) -> _Layer:
+        cfg, a, f = self.cfg, ly.self_attn, ly.mlp
+        kind = {AttnKind.SLIDING: 0, AttnKind.CSA: 1, AttnKind.HCA: 2}[cfg.attn_kinds[i]]
+        out = _Layer(kind=kind, ratio=cfg.compress_ratios[i], tid2eid_rows=cfg.vocab_size,
+                     has_shared=int(f.shared_experts is not None))
+        if kind:
+            out.comp_key = self.comp_keys.index((cfg.compress_ratios[i], kind == 1))
+            out.vis_key = self.ratios.index(cfg.compress_ratios[i])
+        for name, hc in (("hc_attn", ly.attn_hc), ("hc_ffn", ly.ffn_hc)):
+            setattr(out, f"{name}_fn", self._weight(hc.fn, kn=False))
+            setattr(out, f"{name}_base", self._ptr(hc.base))
+            setattr(out, f"{name}_scale", self._ptr(hc.scale))
+        out.attn_norm, out.ffn_norm = self._ptr(ly.input_layernorm.weight), self._ptr(ly.post_attention_layernorm.weight)
+        out.q_a, out.q_b, out.kv = self._weight(a.q_a_proj.weight), self._weight(a.q_b_proj.weight), \
+            self._weight(a.kv_proj.weight)
+        out.o_a = self._weight(a.o_a_proj.weight, kn=cfg.o_lora_rank % self.vw == 0)
+        out.o_b = self._weight(a.o_b_proj.weight)
+        out.q_a_norm, out.kv_norm, out.sinks = self._ptr(a.q_a_norm.weight), self._ptr(a.kv_norm.weight), \
+            self._ptr(a.sinks)
+        if a.compressor is not None:
+            c = a.compressor
+            out.c_kv, out.c_gate = self._weight(c.kv_proj.weight), self._weight(c.gate_proj.weight)
+            out.c_ape, out.c_norm = self._ptr(c.position_bias), self._ptr(c.kv_norm.weight)
+            if c.indexer is not None:
+                ix = c.indexer
+                out.i_kv, out.i_gate = self._weight(ix.kv_proj.weight), self._weight(ix.gate_proj.weight)
+                out.i_q_b, out.i_w = self._weight(ix.q_b_proj.weight), self._weight(ix.scorer.weights_proj.weight)
+                out.i_ape, out.i_norm = self._ptr(ix.position_bias), self._ptr(ix.kv_norm.weight)
+        self._moe(out, f)
+        for name in ("swa", "comp_ring", "comp_pool", "idx_ring", "idx_pool"):
+            setattr(out, name, self._ptr(getattr(st, name)))
+        out.swa_rows = st.swa.shape[0]
+        out.comp_ring_rows = st.comp_ring.shape[0] if st.comp_ring is not None else 0
+        out.idx_ring_rows = st.idx_ring.shape[0] if st.idx_ring is not None else 0
+        return out
+
+    def _moe(self, out: _Layer, f: nn.Module) -> None:
+        out.gate = self._weight(f.gate.weight, kn=False)
+        out.bias_vl = self._ptr(getattr(f.gate, "bias_vl", None))
+        if f.is_hash:
+            out.tid2eid = self._ptr(f.gate.tid2eid)
+        else:
+            out.gate_bias = self._ptr(f.gate.e_score_correction_bias)
+        for p in (f.experts.gate_up_proj, f.experts.down_proj):
+            if not p.data.is_contiguous():
+                p.data = p.data.contiguous()
+        out.exp_gate_up, out.exp_down = self._ptr(f.experts.gate_up_proj.data), self._ptr(f.experts.down_proj.data)
+        if f.shared_experts is not None:
+            s = f.shared_experts
+            out.sh_gate, out.sh_up, out.sh_down = self._weight(s.gate_proj.weight), self._weight(s.up_proj.weight), \
+                self._weight(s.down_proj.weight)
+
+    @staticmethod
+    def _dims(cfg: ModelConfig) -> _Dims:
+        scoring = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}[cfg.scoring_func]
+        return _Dims(hidden=cfg.hidden_size, hc=cfg.hc_mult, n_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                     rope_dim=cfg.rope_dim, q_lora=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora=cfg.o_lora_rank,
+                     idx_heads=cfg.index_n_heads, idx_dim=cfg.index_head_dim, idx_topk=cfg.index_topk,
+                     n_experts=cfg.n_routed_experts, top_k=cfg.n_experts_per_tok, moe_inter=cfg.moe_intermediate_size,
+                     shared_inter=cfg.moe_intermediate_size * cfg.n_shared_experts, vocab=cfg.vocab_size,
+                     sinkhorn_iters=cfg.hc_sinkhorn_iters, scoring=scoring, norm_topk=int(cfg.norm_topk_prob),
+                     window=cfg.sliding_window,
+                     rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
+                     routed_scale=cfg.routed_scaling_factor)
+
+
+def _arg(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    """A view tensor's data pointer (int64 or bool, host, contiguous), kept alive for the call."""
+    t = t.contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _check(rc: int) -> None:
+    if rc == -1:
+        raise MemoryError("the native decode could not allocate its scratch memory")
+    if rc == -2:
+        raise ValueError("a token id is outside the vocabulary (or an image row outside the forward)")
+    if rc != 0:
+        raise RuntimeError(f"the native decode failed ({rc})")

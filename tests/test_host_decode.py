@@ -1,0 +1,207 @@
+"""The native host forward (model/host_decode.py) computes what the torch path computes.
+
+Two engines on the same checkpoint, one native and one on the torch path, run the same forwards (prefill
+chunks of several sequences across window / ratio boundaries, then decode rows, then prefill chunks
+with prefix snapshots inside them) on their own state; every forward's hidden states, the LM head and,
+at the end, every state row the sequences own must agree (fp32; the two paths add in different
+orders, so within 1e-4 rather than bit for bit).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ds4serve.cache import SeqChunk
+from ds4serve.llm import LLM
+from ds4serve.model import host_decode, native
+from model_helpers import random_ids
+
+ATOL = 1e-4
+
+
+def _pair(ckpt_factory, name: str, **kw):
+    _, path = ckpt_factory(name)
+    fast = LLM(path, max_seqs=4, host_kernels="on", **kw)
+    slow = LLM(path, max_seqs=4, host_kernels="off", **kw)
+    assert fast.core.engine.host is not None and slow.core.engine.host is None
+    return fast, slow
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    scale = max(1.0, float(a.abs().max()))
+    diff = float((a - b).abs().max())
+    assert diff <= ATOL * scale, f"{what}: differs by {diff:.3g} (scale {scale:.3g})"
+
+
+def _owned_rows(llm, slots):
+    """Every ring row of every slot and every pool row of the pages those slots own, per layer."""
+    cache, out = llm.core.cache, []
+    layout = cache.layout
+    for li, (ly, st) in enumerate(zip(layout.layers, cache.state.layers)):
+        for name in ("swa", "comp_ring", "idx_ring", "comp_pool", "idx_pool"):
+            t = getattr(st, name)
+            if t is None:
+                continue
+            if name.endswith("_pool"):
+                rpp = layout.rows_per_page(ly.ratio)
+                rows = [p * rpp + r for s in slots for p in cache.block_table(s) for r in range(rpp)]
+            else:
+                per = t.shape[0] // cache.n_slots
+                rows = [s * per + r for s in slots for r in range(per)]
+            out.append((f"layer {li} {name}", t[rows]))
+    return out
+
+
+def _run_both(fast, slow, steps) -> None:
+    """``steps``: lists of (slot index, start, ids, captures) chunks; each list is one forward."""
+    pairs = []
+    for llm in (fast, slow):
+        cache = llm.core.cache
+        for st in cache.state.layers:  # rows the start-up self-check left behind: never read, but compared
+            for t in (st.swa, st.comp_ring, st.idx_ring, st.comp_pool, st.idx_pool):
+                if t is not None:
+                    t.zero_()
+        slots = [cache.alloc_slot() for _ in range(3)]
+        pairs.append((llm, slots))
+    try:
+        for chunks in steps:
+            outs = []
+            for llm, slots in pairs:
+                cache, engine = llm.core.cache, llm.core.engine
+                for i, start, ids, _ in chunks:
+                    assert cache.reserve({slots[i]: start + len(ids) + 1})
+                view = engine._view([SeqChunk(slots[i], start, ids, cache.block_table(slots[i]), captures=caps)
+                                     for i, start, ids, caps in chunks])
+                with torch.inference_mode():
+                    streams = engine._forward(view)
+                    logits = engine.host.logits(streams) if engine.host else llm.model.logits(streams)
+                outs.append((streams, logits))
+            what = f"forward of {[(i, s, len(ids)) for i, s, ids, _ in chunks]}"
+            _close(outs[1][0], outs[0][0], what + " hidden states")
+            _close(outs[1][1], outs[0][1], what + " logits")
+        for (name, a), (_, b) in zip(_owned_rows(*pairs[1]), _owned_rows(*pairs[0])):
+            _close(a, b, name)
+    finally:
+        for llm, slots in pairs:
+            for s in slots:
+                llm.core.cache.drop(s)
+
+
+def _decode_steps(prompts: list[list[int]], n: int, vocab: int):
+    """n decode steps of every sequence after its prompt (fed tokens: fixed pseudo-random ids)."""
+    steps = []
+    for k in range(n):
+        steps.append([(i, len(p) + k, [2 + (7 * k + 3 * i) % (vocab - 2)], ()) for i, p in enumerate(prompts)])
+    return steps
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_native_forward_equals_torch_on_chunks_and_decode_rows(ckpt_factory, name):
+    fast, slow = _pair(ckpt_factory, name)
+    cfg = fast.cfg
+    w = cfg.sliding_window
+    lengths = [w + 3, 2 * w + 11, 37]
+    prompts = [random_ids(n, cfg.vocab_size, seed=40 + i) for i, n in enumerate(lengths)]
+    steps = [
+        [(0, 0, prompts[0][:5], ()), (1, 0, prompts[1][:w - 1], ())],  # two sequences in one forward
+        [(0, 5, prompts[0][5:], ()), (1, w - 1, prompts[1][w - 1:w + 17], ()), (2, 0, prompts[2], ())],
+        [(1, w + 16, prompts[1][w + 16:], ())],
+    ]
+    steps += _decode_steps(prompts, 2 * max(cfg.distinct_ratios) + 3, cfg.vocab_size)
+    _run_both(fast, slow, steps)
+
+
+def test_snapshots_inside_a_chunk_are_the_same(ckpt_factory):
+    fast, slow = _pair(ckpt_factory, "B", enable_prefix_caching=True)
+    cfg = fast.cfg
+    prompt = random_ids(3 * cfg.sliding_window + 5, cfg.vocab_size, seed=7)
+    inside = [(cfg.sliding_window + 2, 0), (2 * cfg.sliding_window + 1, 1)]
+    _run_both(fast, slow, [[(0, 0, prompt, tuple(inside))]])
+    for (name, a), (_, b) in zip(_arena(slow), _arena(fast)):
+        _close(a, b, f"snapshot arena {name}")
+
+
+def _arena(llm):
+    arena = llm.core.cache.prefix.arena
+    for li in range(len(arena.layers)):
+        for name, t in arena.rings(li).items():
+            per = t.shape[0] // arena.n
+            yield f"layer {li} {name}", t[:2 * per]
+
+
+def test_greedy_generation_is_the_same_on_both_paths(ckpt_factory):
+    fast, slow = _pair(ckpt_factory, "A")
+    prompts = [random_ids(n, 1000, seed=60 + n) for n in (3, 40, 75, 130)]
+    assert fast.generate(prompts, max_tokens=30, ignore_eos=True) == slow.generate(prompts, max_tokens=30,
+                                                                                    ignore_eos=True)
+
+
+def test_native_rows_are_batch_invariant_bit_for_bit(ckpt_factory):
+    """Each row's products and sums run in the same order whatever else is in the batch."""
+    _, path = ckpt_factory("A")
+    llm = LLM(path, max_seqs=4, host_kernels="on")
+    prompts = [random_ids(n, 1000, seed=80 + n) for n in (9, 33, 70)]
+    solo = [llm.generate([p], max_tokens=12, ignore_eos=True, logprobs=3) for p in prompts]
+    assert llm.generate(prompts, max_tokens=12, ignore_eos=True, logprobs=3) == [s[0] for s in solo]
+
+
+def test_where_it_does_not_apply_the_torch_path_runs(ckpt_factory, caplog):
+    _, path = ckpt_factory("A")
+    with caplog.at_level(logging.INFO, logger="ds4serve.engine.executor"):
+        llm = LLM(path, max_seqs=2, dtype="bfloat16")
+    assert llm.core.engine.host is None
+    assert "weights or state not in float32" in caplog.text
+    with pytest.raises(RuntimeError, match="host_kernels='on'"):
+        LLM(path, max_seqs=2, dtype="bfloat16", host_kernels="on")
+    fp32 = LLM(path, max_seqs=2, host_kernels="off")
+    assert host_decode.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) is None
+    fp32.model.model.layers[0].self_attn.reduce = lambda t: t  # a tensor-parallel shard
+    assert host_decode.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) == "tensor / expert parallel"
+
+
+def test_no_compiler_means_the_torch_path_logged_once(ckpt_factory, monkeypatch, tmp_path, caplog):
+    _, path = ckpt_factory("C")
+    monkeypatch.setattr(host_decode, "_lib", None)
+    monkeypatch.setattr(host_decode, "_failure", None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(host_decode, "cache_root", lambda: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_decode"):
+        a = LLM(path, max_seqs=2)
+        b = LLM(path, max_seqs=2)
+    assert a.core.engine.host is None and b.core.engine.host is None
+    assert caplog.text.count("host decode kernels unavailable") == 1
+    assert a.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+
+
+def test_a_token_outside_the_vocabulary_fails_the_forward_and_writes_nothing(ckpt_factory):
+    fast, _ = _pair(ckpt_factory, "C")
+    cache, engine = fast.core.cache, fast.core.engine
+    slot = cache.alloc_slot()
+    try:
+        assert cache.reserve({slot: 8})
+        before = [t.clone() for t in (cache.state.layers[0].swa,)]
+        view = engine._view([SeqChunk(slot, 0, [3, fast.cfg.vocab_size + 40, 4], cache.block_table(slot))])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.host.forward(view)
+        assert torch.equal(before[0], cache.state.layers[0].swa)
+    finally:
+        cache.drop(slot)
+
+
+def test_the_start_up_self_check_turns_a_wrong_native_forward_off(ckpt_factory, monkeypatch, caplog):
+    _, path = ckpt_factory("C")
+    real = host_decode.HostDecoder.forward
+
+    def off_by_a_bit(self, view, start=0, stop=None, streams=None):
+        return real(self, view, start, stop, streams) + 0.01
+
+    monkeypatch.setattr(host_decode.HostDecoder, "forward", off_by_a_bit)
+    with caplog.at_level(logging.ERROR):
+        llm = LLM(path, max_seqs=2)
+    assert llm.core.engine.host is None
+    assert "native host forward turned off" in caplog.text and "hidden states of a prefill chunk differ" in caplog.text
+    with pytest.raises(RuntimeError, match="disagrees with the torch path"):
+        LLM(path, max_seqs=2, host_kernels="on")
