@@ -70,8 +70,8 @@ class Engine:
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
             log.info("native host forward not used (%s): text forwards take the torch path", why)
         else:
-            log.info("native host forward on: text forwards (decode rows and prefill chunks) run as one native "
-                     "call per step; image passes take the torch path")
+            log.info("native host forward on: every forward (decode rows, prefill chunks, image passes) runs as "
+                     "one native call")
         return host
 
     def disable_host(self, why: str) -> None:

@@ -1,12 +1,13 @@
-"""The decode forward on the host as one native call per step (``csrc/host_decode.c``).
+"""The model's forward on the host as one native call per step (``csrc/host_*.c``).
 
 Why: a decode step of the torch path on a CPU is ~1,700 dispatched ops, most of its time in Python and
 dispatch rather than arithmetic, and the BLAS under it is slow for the 1-32-row products of decode
 (MKL takes a generic path on AMD CPUs: a 1,024 x 512 product of one row runs at ~4 GFLOP/s there).
-``HostDecoder`` runs the same network for pure-decode views (one token per sequence) in C: products by
-kernels written for these shapes, everything else as plain loops, OpenMP across output columns and
-(row, head) pairs; and the LM head the same way. The torch path stays the reference and the fallback:
-the engine checks this one against it at start-up, and tests pin them together (fp32).
+``HostDecoder`` runs the same network in C for every view the engine builds (decode rows, prefill
+chunks, image blocks, layer slices of a pass): products by kernels written for these shapes, everything
+else as plain loops, split across threads by a work-claiming pool (``csrc/host_pool.c``: a late thread
+never stalls a step); and the LM head the same way. The torch path stays the reference and the
+fallback: the engine checks this one against it at start-up, and tests pin them together (fp32).
 
 Where it applies: host tensors, fp32 weights and state, one process (no tensor parallel), experts
 dequantised at load. Anything else keeps the torch path, with the reason logged once.
@@ -35,10 +36,11 @@ from .packed import PackedExperts
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "host_decode.c"
-_BASE_FLAGS = ["-O3", "-fPIC", "-shared"]
-# tuned for this CPU where the compiler can (the build is cached per CPU), threaded where OpenMP exists
-_ATTEMPTS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+# one translation unit, in this order (see host_base.c)
+_SOURCES = tuple(Path(__file__).with_name("csrc") / f"host_{part}.c"
+                 for part in ("base", "pool", "kernels", "layers", "forward"))
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
+_ATTEMPTS = (["-march=native"], [])  # tuned for this CPU where the compiler can (the build is cached per CPU)
 MAX_EXPERTS = 512  # fixed buffers in the C code
 MAX_HC = 16
 MAX_SPAN = 1024
@@ -137,11 +139,12 @@ def library() -> ctypes.CDLL | None:
             errors = []
             for extra in _ATTEMPTS:
                 try:
-                    path = build_library(cache_root() / "native", "host_decode", _SOURCE.read_text(),
-                                         _BASE_FLAGS + extra, ["-lm"], key=_cpu_key())
+                    source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
+                    path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + extra,
+                                         ["-lm"], key=_cpu_key())
                     _lib = _bind(ctypes.CDLL(str(path)))
-                    if "-fopenmp" not in extra:
-                        log.warning("host decode kernels built without OpenMP: one thread (%s)", errors[-1])
+                    if errors:
+                        log.info("host decode kernels built without %s (%s)", " ".join(_ATTEMPTS[0]), errors[-1])
                     break
                 except (OSError, RuntimeError) as exc:
                     errors.append(f"{' '.join(extra) or 'plain'}: {exc}")

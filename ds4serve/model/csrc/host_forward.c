@@ -1,0 +1,130 @@
+/* The step: scratch layout, the layer loop, embedding, entry points (see host_base.c). */
+
+/* ---- the step --------------------------------------------------------------------------------- */
+
+typedef struct {
+    float *flat, *z, *x, *post, *comb, *y, *tmp;
+    AttnScratch a;
+    MoeScratch e;
+} Scratch;
+
+static int64_t max_i(int64_t a, int64_t b) { return a > b ? a : b; }
+
+typedef struct {
+    void **slot;
+    int64_t floats;  /* 4-byte units (an int64 takes two) */
+} Need;
+
+/* lay the step's scratch out in the arena (or, with dry, only add up its bytes) */
+static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratch *s, int dry) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, D = d->hidden, hc = d->hc, H = d->n_heads, hd = d->head_dim, n_mix = (2 + hc) * hc;
+    int64_t Rmax = 0;
+    for (int64_t i = 0; i < v->n_vis; i++) Rmax = max_i(Rmax, v->vis[i].R);
+    int64_t Kc = max_i(Rmax, d->idx_topk), P = T * d->top_k, I = d->moe_inter, Hi = d->idx_heads;
+    Need needs[] = {
+        {(void **)&s->flat, T * hc * D}, {(void **)&s->z, T * n_mix}, {(void **)&s->x, T * D},
+        {(void **)&s->post, T * hc}, {(void **)&s->comb, T * hc * hc}, {(void **)&s->y, T * D},
+        {(void **)&s->tmp, T * hc * D},
+        {(void **)&s->a.q, T * H * hd}, {(void **)&s->a.kv, T * hd}, {(void **)&s->a.qr, T * d->q_lora},
+        {(void **)&s->a.out, T * H * hd}, {(void **)&s->a.o_mid, T * d->o_groups * d->o_lora},
+        {(void **)&s->a.rot, T * d->rope_dim}, {(void **)&s->a.rot_emit, T * d->rope_dim},
+        {(void **)&s->a.states_c, T * 4 * hd}, {(void **)&s->a.states_i, T * 4 * d->idx_dim},
+        {(void **)&s->a.q_idx, T * Hi * d->idx_dim}, {(void **)&s->a.head_w, T * Hi},
+        {(void **)&s->a.scores, T * Rmax}, {(void **)&s->a.probs, T * H * (v->Kw + Kc + 1)},
+        {(void **)&s->a.cols, T * Kc * 2}, {(void **)&s->a.crows, T * Kc * 2}, {(void **)&s->a.cvalid, T * Kc},
+        {(void **)&s->e.logits, T * d->n_experts}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
+        {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, max_i(P, T) * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
+        {(void **)&s->e.idx, P * 2}, {(void **)&s->e.order, P * 2}, {(void **)&s->e.counts, (d->n_experts + 1) * 2},
+    };
+    int64_t total = 0;
+    for (size_t i = 0; i < sizeof needs / sizeof needs[0]; i++) {
+        int64_t n = max_i(needs[i].floats, 1);
+        total += ((n * 4 + 63) / 64) * 64;
+        if (!dry) *needs[i].slot = take(ar, n);
+    }
+    return total;
+}
+
+static void layer_forward(const Model *m, const Layer *L, const StepView *v, float *streams, Scratch *s) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, D = d->hidden;
+    hc_pre(d, streams, T, L->hc_attn_fn, L->hc_attn_base, L->hc_attn_scale, s->x, s->post, s->comb, s->flat, s->z);
+    rms_norm(s->x, T, D, L->attn_norm, d->rms_eps);
+    attention(m, L, v, s->x, s->y, &s->a);
+    hc_post(d, streams, T, s->y, s->post, s->comb, s->tmp);
+    hc_pre(d, streams, T, L->hc_ffn_fn, L->hc_ffn_base, L->hc_ffn_scale, s->x, s->post, s->comb, s->flat, s->z);
+    rms_norm(s->x, T, D, L->ffn_norm, d->rms_eps);
+    moe(m, L, s->x, v->ids, v->is_image, T, s->y, &s->e);
+    hc_post(d, streams, T, s->y, s->post, s->comb, s->tmp);
+}
+
+/* DS4ForCausalLM.embed: token rows expanded to hc streams; image-block tokens (ids vocab + type) take
+   their sentinel row, and IMAGE slots the aligner rows (spec ds4-vision 3.3). -2: an id out of range */
+static int embed(const Model *m, const StepView *v, float *streams) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, D = d->hidden, hc = d->hc;
+    const float *sentinel[5] = {m->image_start, m->image_pad, NULL, m->image_newline, m->image_end};
+    for (int64_t t = 0; t < T; t++) {
+        int64_t id = v->ids[t];
+        const float *row = NULL;
+        if (v->is_image && v->is_image[t]) {
+            int64_t kind = id - d->vocab;
+            if (kind < 0 || kind > 4 || (kind != 2 && !sentinel[kind])) return -2;
+            row = sentinel[kind];  /* NULL for IMAGE slots: zero until their aligner row lands */
+        } else if (id < 0 || id >= d->vocab) {
+            return -2;
+        } else {
+            row = m->embed + id * D;
+        }
+        for (int64_t i = 0; i < hc; i++) {
+            float *o = streams + (t * hc + i) * D;
+            if (row) memcpy(o, row, (size_t)D * 4); else memset(o, 0, (size_t)D * 4);
+        }
+    }
+    for (int64_t r = 0; r < v->n_image_rows; r++) {
+        int64_t t = v->image_rows[r];
+        if (t < 0 || t >= T) return -2;
+        for (int64_t i = 0; i < hc; i++) memcpy(streams + (t * hc + i) * D, v->image_embeds + r * D, (size_t)D * 4);
+    }
+    return 0;
+}
+
+/* layers [start, stop) of the step's rows on streams [T, hc, D] in place; with start 0 the streams
+   are embedded first. 0 on success, -1 without memory, -2 for an id out of range (nothing written). */
+int ds4_forward(const Model *m, const StepView *v, float *streams, int64_t start, int64_t stop, Arena *ar,
+                int threads) {
+    Scratch s;
+    g_threads = threads > 0 ? threads : 1;
+    if (start == 0) {
+        int rc = embed(m, v, streams);
+        if (rc) return rc;
+    }
+    if (arena_reserve(ar, plan_scratch(m, v, ar, &s, 1)) != 0) return -1;
+    plan_scratch(m, v, ar, &s, 0);
+    for (int64_t l = start; l < stop && l < m->n_layers; l++) layer_forward(m, &m->layers[l], v, streams, &s);
+    return 0;
+}
+
+/* DS4ForCausalLM.logits: hc_head, the final norm, the LM head -> logits [N, vocab] */
+int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, Arena *ar, int threads) {
+    const Dims *d = &m->d;
+    int64_t D = d->hidden, hc = d->hc;
+    g_threads = threads > 0 ? threads : 1;
+    if (arena_reserve(ar, (N * hc * D + N * hc + N * D) * 4 + 256) != 0) return -1;
+    float *flat = take(ar, N * hc * D), *mix = take(ar, N * hc), *h = take(ar, N * D);
+    memcpy(flat, streams, (size_t)(N * hc * D) * 4);
+    rms_norm(flat, N, hc * D, NULL, d->rms_eps);
+    linear(flat, hc * D, N, hc * D, m->head_fn, hc, mix, hc);
+    for (int64_t t = 0; t < N; t++) {
+        float *ht = h + t * D;
+        for (int64_t k = 0; k < D; k++) ht[k] = 0.0f;
+        for (int64_t i = 0; i < hc; i++) {
+            float pre = sigmoidf(mix[t * hc + i] * m->head_scale[0] + m->head_base[i]) + d->hc_eps;
+            axpy(ht, pre, streams + (t * hc + i) * D, D);
+        }
+    }
+    rms_norm(h, N, D, m->final_norm, d->rms_eps);
+    linear(h, D, N, D, m->lm_head, d->vocab, logits, d->vocab);
+    return 0;
+}

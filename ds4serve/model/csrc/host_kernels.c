@@ -1,0 +1,253 @@
+/* Products and elementwise blocks of the host forward (part of the one translation unit host_decode.py
+   builds: host_base.c, host_pool.c, host_kernels.c, host_layers.c, host_forward.c). */
+
+/* ---- products --------------------------------------------------------------------------------- */
+
+/* y[m, n] = sum_k x[m, k] w[k, n] for 4 x (nv * VW) outputs; w is [K, N] with row stride ldw */
+static void kn_tile(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
+                    float *y, int64_t ldy) {
+    vf acc[4][4];
+    memset(acc, 0, sizeof acc);
+    if (mr == 4 && nv == 4) {
+        for (int64_t k = 0; k < K; k++) {
+            const float *wr = w + k * ldw;
+            vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);
+            for (int i = 0; i < 4; i++) {
+                vf a = vsplat(x[i * ldx + k]);
+                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            const float *wr = w + k * ldw;
+            for (int j = 0; j < nv; j++) {
+                vf b = vload(wr + j * VW);
+                for (int i = 0; i < mr; i++) acc[i][j] += vsplat(x[i * ldx + k]) * b;
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, acc[i][j]);
+}
+
+/* y[m, n] = sum_k x[m, k] w[n, k] for up to 4 x 4 outputs (w [N, K], row stride ldw) */
+static void nk_tile(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nr,
+                    float *y, int64_t ldy) {
+    vf acc[4][4];
+    memset(acc, 0, sizeof acc);
+    int64_t kv = K - K % VW, k = 0;
+    if (mr == 4 && nr == 4) {
+        for (; k < kv; k += VW) {
+            vf w0 = vload(w + k), w1 = vload(w + ldw + k), w2 = vload(w + 2 * ldw + k), w3 = vload(w + 3 * ldw + k);
+            for (int i = 0; i < 4; i++) {
+                vf a = vload(x + i * ldx + k);
+                acc[i][0] += a * w0; acc[i][1] += a * w1; acc[i][2] += a * w2; acc[i][3] += a * w3;
+            }
+        }
+    } else {
+        for (; k < kv; k += VW)
+            for (int j = 0; j < nr; j++) {
+                vf b = vload(w + j * ldw + k);
+                for (int i = 0; i < mr; i++) acc[i][j] += vload(x + i * ldx + k) * b;
+            }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float s = vsum(acc[i][j]);
+            for (int64_t kk = kv; kk < K; kk++) s += x[i * ldx + kk] * w[j * ldw + kk];
+            y[i * ldy + j] = s;
+        }
+}
+
+typedef struct {
+    const float *x;
+    int64_t ldx, M, K;
+    Weight w;
+    int64_t N;
+    float *y;
+    int64_t ldy;
+} LinearJob;
+
+static void kn_blocks(void *c, int64_t lo, int64_t hi) {
+    const LinearJob *j = (const LinearJob *)c;
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t n0 = b * 4 * VW;
+        int nv = (int)((j->N - n0) / VW < 4 ? (j->N - n0) / VW : 4);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
+            kn_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->K, j->w.p + n0, j->w.ld, nv,
+                    j->y + m0 * j->ldy + n0, j->ldy);
+    }
+}
+
+static void nk_blocks(void *c, int64_t lo, int64_t hi) {
+    const LinearJob *j = (const LinearJob *)c;
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t n0 = b * 4;
+        int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
+            nk_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->K, j->w.p + n0 * j->w.ld,
+                    j->w.ld, nr, j->y + m0 * j->ldy + n0, j->ldy);
+    }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight); column blocks
+   on the pool once there are ~32k multiply-adds per chunk */
+static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
+    LinearJob job = {x, ldx, M, K, w, N, y, ldy};
+    int64_t width = w.kn ? 4 * VW : 4;  /* kn: N % VW == 0 (host_decode.py stores [K, N] only then) */
+    int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
+    int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
+    parallel(blocks, grain, w.kn ? kn_blocks : nk_blocks, &job);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    vf acc = {};
+    int64_t k = 0, kv = n - n % VW;
+    for (; k < kv; k += VW) acc += vload(a + k) * vload(b + k);
+    float s = vsum(acc);
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y += a x */
+    int64_t k = 0, kv = n - n % VW;
+    vf va = vsplat(a);
+    for (; k < kv; k += VW) vstore(y + k, vload(y + k) + va * vload(x + k));
+    for (; k < n; k++) y[k] += a * x[k];
+}
+
+/* ---- elementwise blocks (norms.py, rope.py, mhc.py) ------------------------------------------- */
+
+/* F.rms_norm over rows of width n: x * rsqrt(mean(x^2) + eps) (* w) */
+static void rms_norm(float *x, int64_t rows, int64_t n, const float *w, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *p = x + r * n;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) ss += p[i] * p[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        if (w)
+            for (int64_t i = 0; i < n; i++) p[i] = p[i] * inv * w[i];
+        else
+            for (int64_t i = 0; i < n; i++) p[i] = p[i] * inv;
+    }
+}
+
+/* rotations(): cos/sin of pos * inv_freq (fp32), scaled by the attention factor -> rot [half, 2] */
+static void rotation(float *rot, int64_t pos, const float *inv_freq, int64_t half, float af) {
+    for (int64_t j = 0; j < half; j++) {
+        float f = (float)pos * inv_freq[j];
+        rot[2 * j] = cosf(f) * af;
+        rot[2 * j + 1] = sinf(f) * af;
+    }
+}
+
+/* apply_rope on the last 2 * half channels of each of `heads` vectors of width dim */
+static void rope(float *x, int64_t heads, int64_t dim, const float *rot, int64_t half, int inverse) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = x + h * dim + (dim - 2 * half);
+        for (int64_t j = 0; j < half; j++) {
+            float a = p[2 * j], b = p[2 * j + 1], c = rot[2 * j], s = inverse ? -rot[2 * j + 1] : rot[2 * j + 1];
+            p[2 * j] = a * c - b * s;
+            p[2 * j + 1] = a * s + b * c;
+        }
+    }
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* mhc.sinkhorn on one hc x hc matrix, in place */
+static void sinkhorn(float *m, int64_t hc, int64_t iters, float eps) {
+    for (int64_t it = 0; it < iters; it++) {
+        if (it > 0)
+            for (int64_t i = 0; i < hc; i++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < hc; j++) s += m[i * hc + j];
+                for (int64_t j = 0; j < hc; j++) m[i * hc + j] /= eps + s;
+            }
+        for (int64_t j = 0; j < hc; j++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < hc; i++) s += m[i * hc + j];
+            for (int64_t i = 0; i < hc; i++) m[i * hc + j] /= eps + s;
+        }
+    }
+}
+
+typedef struct {
+    const Dims *d;
+    const float *streams, *base, *scale;
+    float *x, *post, *comb, *flat, *z;
+} HcJob;
+
+static void hc_norm_rows(void *c, int64_t lo, int64_t hi) {
+    const HcJob *j = (const HcJob *)c;
+    int64_t w = j->d->hc * j->d->hidden;
+    for (int64_t t = lo; t < hi; t++) rms_norm(j->flat + t * w, 1, w, NULL, j->d->rms_eps);
+}
+
+/* per token: pre / post / comb from the mixes, Sinkhorn, and the collapse of the streams */
+static void hc_mix_rows(void *c, int64_t lo, int64_t hi) {
+    const HcJob *j = (const HcJob *)c;
+    const Dims *d = j->d;
+    int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
+    for (int64_t t = lo; t < hi; t++) {
+        float *zt = j->z + t * n_mix, pre[16];
+        for (int64_t i = 0; i < n_mix; i++) zt[i] = j->base[i] + zt[i] * j->scale[i < hc ? 0 : (i < 2 * hc ? 1 : 2)];
+        for (int64_t i = 0; i < hc; i++) {
+            pre[i] = sigmoidf(zt[i]) + d->hc_eps;
+            j->post[t * hc + i] = 2.0f * sigmoidf(zt[hc + i]);
+        }
+        float *c2 = j->comb + t * hc * hc;
+        for (int64_t i = 0; i < hc; i++) {  /* softmax over the last axis, then + eps */
+            const float *row = zt + 2 * hc + i * hc;
+            float mx = row[0], s = 0.0f;
+            for (int64_t k = 1; k < hc; k++) mx = row[k] > mx ? row[k] : mx;
+            for (int64_t k = 0; k < hc; k++) s += (c2[i * hc + k] = expf(row[k] - mx));
+            for (int64_t k = 0; k < hc; k++) c2[i * hc + k] = c2[i * hc + k] / s + d->hc_eps;
+        }
+        sinkhorn(c2, hc, d->sinkhorn_iters, d->hc_eps);
+        float *xt = j->x + t * D;
+        const float *st = j->streams + t * hc * D;
+        for (int64_t k = 0; k < D; k++) xt[k] = 0.0f;
+        for (int64_t i = 0; i < hc; i++) axpy(xt, pre[i], st + i * D, D);
+    }
+}
+
+/* mhc.hc_pre: x [T, D] collapsed, post [T, hc], comb [T, hc, hc]; flat / z are scratch */
+static void hc_pre(const Dims *d, const float *streams, int64_t T, Weight fn, const float *base, const float *scale,
+                   float *x, float *post, float *comb, float *flat, float *z) {
+    int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
+    HcJob job = {d, streams, base, scale, x, post, comb, flat, z};
+    memcpy(flat, streams, (size_t)(T * hc * D) * 4);
+    parallel(T, 8, hc_norm_rows, &job);
+    linear(flat, hc * D, T, hc * D, fn, n_mix, z, n_mix);
+    parallel(T, 8, hc_mix_rows, &job);
+}
+
+typedef struct {
+    const Dims *d;
+    float *streams;
+    const float *y, *post, *comb;
+    float *tmp;
+} PostJob;
+
+static void hc_post_rows(void *c, int64_t lo, int64_t hi) {
+    const PostJob *j = (const PostJob *)c;
+    int64_t hc = j->d->hc, D = j->d->hidden;
+    for (int64_t t = lo; t < hi; t++) {
+        float *st = j->streams + t * hc * D, *tmp = j->tmp + t * hc * D;
+        const float *cm = j->comb + t * hc * hc;
+        for (int64_t k = 0; k < hc; k++) {
+            float *o = tmp + k * D;
+            for (int64_t e = 0; e < D; e++) o[e] = j->post[t * hc + k] * j->y[t * D + e];
+            for (int64_t i = 0; i < hc; i++) axpy(o, cm[i * hc + k], st + i * D, D);
+        }
+        memcpy(st, tmp, (size_t)(hc * D) * 4);
+    }
+}
+
+/* mhc.hc_post: X'[j] = post[j] y + sum_i comb[i, j] X[i], in place on streams (tmp: [T, hc, D]) */
+static void hc_post(const Dims *d, float *streams, int64_t T, const float *y, const float *post, const float *comb,
+                    float *tmp) {
+    PostJob job = {d, streams, y, post, comb, tmp};
+    parallel(T, 8, hc_post_rows, &job);
+}

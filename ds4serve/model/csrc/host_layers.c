@@ -1,0 +1,399 @@
+/* The layer blocks of the host forward: compressor, attention, mixture of experts (see host_base.c). */
+
+/* ---- compressor (compressor.py token_states / pool_windows / finish_rows) ------------------------ */
+
+typedef struct {
+    Weight wkv, wgate;
+    const float *ape, *norm;
+    float *ring, *pool, *snap;
+    int64_t ring_rows, width, out_dim;  /* width: C (and Z) channels per token; out_dim: of a pooled row */
+} Emitter;
+
+struct AttnScratch;
+struct Keys;
+
+typedef struct {  /* what a per-row loop of a layer reads (each loop uses its own fields) */
+    const Model *m;
+    const Layer *L;
+    const StepView *v;
+    struct AttnScratch *s;
+    const Emitter *e;
+    const CompView *cv;
+    const VisView *vis;
+    const float *states;
+    const struct Keys *keys;
+    float *rot;
+    int64_t n_ring, kc, stride;
+} RowJob;
+
+/* token_states: [C | Z + ape[pos % ratio]] per token, fp32 -> states [T, 2 * width] */
+static void token_states(const Emitter *e, const CompView *cv, const float *xn, int64_t T, int64_t D,
+                         const int64_t *positions, float *states) {
+    int64_t w = e->width, w2 = 2 * w;
+    linear(xn, D, T, D, e->wkv, w, states, w2);
+    linear(xn, D, T, D, e->wgate, w, states + w, w2);
+    for (int64_t t = 0; t < T; t++) {
+        const float *ape = e->ape + (positions[t] % cv->ratio) * w;
+        for (int64_t c = 0; c < w; c++) states[t * w2 + w + c] += ape[c];
+    }
+}
+
+static void emit_windows(void *c, int64_t lo, int64_t hi) {
+    const RowJob *j = (const RowJob *)c;
+    const Emitter *e = j->e;
+    const CompView *cv = j->cv;
+    const Dims *d = &j->m->d;
+    int64_t w2 = 2 * e->width, w = e->width, ratio = cv->ratio, od = e->out_dim, span = cv->span;
+    int64_t half = d->rope_dim / 2;
+    for (int64_t k = lo; k < hi; k++) {
+        float *out = e->pool + cv->emit_rows[k] * od, *rot = j->rot + k * 2 * half;
+        const float *rows[1024];
+        for (int64_t q = 0; q < span; q++)
+            rows[q] = cv->emit_valid[k * span + q] ? row_of(e->ring, j->n_ring, j->states, cv->emit_slots[k * span + q],
+                                                            w2) : NULL;
+        for (int64_t ch0 = 0; ch0 < od; ch0++) {
+            float mx = -INFINITY, s = 0.0f, acc = 0.0f;
+            for (int64_t q = 0; q < span; q++) {  /* CSA: first ratio slots "a" halves, the rest "b" halves */
+                if (!rows[q]) continue;
+                float g = rows[q][w + (cv->overlap && q >= ratio ? od + ch0 : ch0)];
+                mx = g > mx ? g : mx;
+            }
+            for (int64_t q = 0; q < span; q++) {
+                if (!rows[q]) continue;
+                int64_t ch = cv->overlap && q >= ratio ? od + ch0 : ch0;
+                float p = expf(rows[q][w + ch] - mx);
+                s += p;
+                acc += rows[q][ch] * p;
+            }
+            out[ch0] = acc / s;
+        }
+        rms_norm(out, 1, od, e->norm, d->rms_eps);
+        rotation(rot, cv->emit_pos[k], j->m->inv_freq_comp, half, j->m->af_comp);
+        rope(out, 1, od, rot, half, 0);
+    }
+}
+
+/* pool_windows + finish_rows for every closing window: slots from cat(ring, states) (the ring alone
+   after this step's writes in decode views), softmax over slots per channel, norm, RoPE, into the pool */
+static void emit_rows(const Model *m, const Emitter *e, const CompView *cv, const float *states, int after,
+                      float *rot_scratch) {
+    RowJob job = {.m = m, .e = e, .cv = cv, .states = states, .rot = rot_scratch,
+                  .n_ring = after ? INT64_MAX : e->ring_rows};
+    parallel(cv->E, 4, emit_windows, &job);
+}
+
+/* ---- attention (decoder.Attention, attention.sink_attention) ------------------------------------ */
+
+typedef struct AttnScratch {
+    float *q, *kv, *qr, *out, *o_mid, *rot, *rot_emit, *states_c, *states_i, *q_idx, *head_w, *scores, *probs;
+    int64_t *cols, *crows;
+    uint8_t *cvalid;
+} AttnScratch;
+
+/* select_top_rows: the k best columns of scores [R] (ties: lower column first); -inf is invalid */
+static int64_t top_rows(const float *scores, int64_t R, int64_t k, int64_t *cols) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < R; r++) {
+        float v = scores[r];
+        if (!(v > -INFINITY)) continue;
+        int64_t pos = n < k ? n : k;  /* insertion into the sorted prefix; drop the worst beyond k */
+        while (pos > 0 && scores[cols[pos - 1]] < v) pos--;
+        if (pos >= k) continue;
+        int64_t last = n < k ? n : k - 1;
+        for (int64_t i = last; i > pos; i--) cols[i] = cols[i - 1];
+        cols[pos] = r;
+        if (n < k) n++;
+    }
+    return n;
+}
+
+static void csa_queries(void *c, int64_t lo, int64_t hi) {
+    const RowJob *j = (const RowJob *)c;
+    const Dims *d = &j->m->d;
+    const VisView *vis = j->vis;
+    AttnScratch *s = j->s;
+    int64_t Hi = d->idx_heads, di = d->idx_dim, R = vis->R, kc = j->kc;
+    float scale = 1.0f / sqrtf((float)di);
+    for (int64_t t = lo; t < hi; t++) {
+        float *sc = s->scores + t * R;
+        for (int64_t r = 0; r < R; r++) {
+            if (!vis->valid[t * R + r]) { sc[r] = -INFINITY; continue; }
+            const float *key = j->L->idx_pool + vis->rows[t * R + r] * di;
+            float acc = 0.0f;
+            for (int64_t h = 0; h < Hi; h++) {
+                float v = dot(s->q_idx + (t * Hi + h) * di, key, di);
+                acc += (v > 0.0f ? v : 0.0f) * scale * s->head_w[t * Hi + h];
+            }
+            sc[r] = acc;
+        }
+        int64_t *cols = s->cols + t * kc;
+        int64_t n = top_rows(sc, R, kc, cols);
+        for (int64_t q = 0; q < kc; q++) {
+            s->crows[t * kc + q] = q < n ? vis->rows[t * R + cols[q]] : 0;
+            s->cvalid[t * kc + q] = q < n;
+        }
+    }
+}
+
+/* CSA: per query, score every visible indexer row and keep the top-k pool rows (Compressor.gathered) */
+static void csa_rows(const Model *m, const Layer *L, const VisView *vis, int64_t T, AttnScratch *s, int64_t kc) {
+    RowJob job = {.m = m, .L = L, .vis = vis, .s = s, .kc = kc};
+    parallel(T, vis->R >= 64 ? 1 : 1 + 64 / (vis->R + 1), csa_queries, &job);
+}
+
+typedef struct Keys {  /* where one query's keys live */
+    const float *swa, *fresh, *pool;
+    int64_t n_ring, Kw, Kc, hd;
+    const int64_t *keys, *crows;
+    const uint8_t *valid, *cvalid;
+} Keys;
+
+static inline const float *key_row(const Keys *k, int64_t i) {
+    return i < k->Kw ? row_of(k->swa, k->n_ring, k->fresh, k->keys[i], k->hd) : k->pool + k->crows[i - k->Kw] * k->hd;
+}
+
+/* one query head over its sliding keys and compressed keys, with the sink (sink_attention) */
+static void attend(const float *q, const Keys *k, float sink, float *probs, float *out) {
+    int64_t n = k->Kw + k->Kc, hd = k->hd;
+    float scale = 1.0f / sqrtf((float)hd), mx = sink;
+    for (int64_t i = 0; i < n; i++) {
+        int ok = i < k->Kw ? k->valid[i] : k->cvalid[i - k->Kw];
+        probs[i] = ok ? dot(q, key_row(k, i), hd) * scale : -INFINITY;
+        mx = probs[i] > mx ? probs[i] : mx;
+    }
+    float denom = expf(sink - mx);
+    for (int64_t i = 0; i < n; i++) denom += (probs[i] = expf(probs[i] - mx));
+    for (int64_t c = 0; c < hd; c++) out[c] = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        if (probs[i] != 0.0f) axpy(out, probs[i] / denom, key_row(k, i), hd);
+}
+
+static void indexer_inputs(const Model *m, const Layer *L, const float *xn, int64_t T, AttnScratch *s) {
+    const Dims *d = &m->d;
+    int64_t Hi = d->idx_heads, di = d->idx_dim, half = d->rope_dim / 2;
+    linear(s->qr, d->q_lora, T, d->q_lora, L->i_q_b, Hi * di, s->q_idx, Hi * di);
+    linear(xn, d->hidden, T, d->hidden, L->i_w, Hi, s->head_w, Hi);
+    for (int64_t t = 0; t < T; t++) {  /* s->rot rows hold the compress rotations (a CSA layer's own) */
+        rope(s->q_idx + t * Hi * di, Hi, di, s->rot + t * half * 2, half, 0);
+        for (int64_t h = 0; h < Hi; h++) s->head_w[t * Hi + h] *= 1.0f / sqrtf((float)Hi);
+    }
+}
+
+static void project_rows(void *c, int64_t lo, int64_t hi) {
+    const RowJob *j = (const RowJob *)c;
+    const Model *m = j->m;
+    const Dims *d = &m->d;
+    AttnScratch *s = j->s;
+    int64_t H = d->n_heads, hd = d->head_dim, half = d->rope_dim / 2;
+    int sliding = j->L->kind == 0;
+    for (int64_t t = lo; t < hi; t++) {
+        float *rot = s->rot + t * half * 2;
+        rms_norm(s->q + t * H * hd, H, hd, NULL, d->rms_eps);
+        rms_norm(s->kv + t * hd, 1, hd, j->L->kv_norm, d->rms_eps);
+        rotation(rot, j->v->positions[t], sliding ? m->inv_freq_main : m->inv_freq_comp, half,
+                 sliding ? m->af_main : m->af_comp);
+        rope(s->q + t * H * hd, H, hd, rot, half, 0);
+        rope(s->kv + t * hd, 1, hd, rot, half, 0);
+    }
+}
+
+/* q and kv of every token: projections, norms, RoPE (rotations kept in s->rot for the output) */
+static void project(const Model *m, const Layer *L, const StepView *v, const float *xn, AttnScratch *s) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, D = d->hidden, H = d->n_heads, hd = d->head_dim;
+    linear(xn, D, T, D, L->q_a, d->q_lora, s->qr, d->q_lora);
+    rms_norm(s->qr, T, d->q_lora, L->q_a_norm, d->rms_eps);
+    linear(s->qr, d->q_lora, T, d->q_lora, L->q_b, H * hd, s->q, H * hd);
+    linear(xn, D, T, D, L->kv, hd, s->kv, hd);
+    RowJob job = {.m = m, .L = L, .v = v, .s = s};
+    parallel(T, 8, project_rows, &job);
+}
+
+/* the compressor (and indexer) of a compressed layer: states, captures, emits; returns the keys
+   (pool rows) every query sees beside its sliding ones */
+static void compress(const Model *m, const Layer *L, const StepView *v, const float *xn, AttnScratch *s, Keys *k) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, hd = d->head_dim;
+    const CompView *cv = &v->comp[L->comp_key];
+    const VisView *vis = &v->vis[L->vis_key];
+    int csa = L->kind == 1, after = (int)v->after_write;
+    Emitter ce = {L->c_kv, L->c_gate, L->c_ape, L->c_norm, L->comp_ring, L->comp_pool, L->snap_comp,
+                  L->comp_ring_rows, hd * (csa ? 2 : 1), hd};
+    Emitter ie = {L->i_kv, L->i_gate, L->i_ape, L->i_norm, L->idx_ring, L->idx_pool, L->snap_idx,
+                  L->idx_ring_rows, 2 * d->idx_dim, d->idx_dim};
+    token_states(&ce, cv, xn, T, d->hidden, v->positions, s->states_c);
+    if (csa) token_states(&ie, cv, xn, T, d->hidden, v->positions, s->states_i);
+    for (int i = 0; i < 1 + csa; i++) {
+        const Emitter *e = i ? &ie : &ce;
+        const float *st = i ? s->states_i : s->states_c;
+        if (after) {
+            write_ring(e->ring, st, cv->ring_dst, cv->ring_src, cv->M, 2 * e->width);
+        } else {
+            capture(v, cv->span, e->snap, e->ring, st, 2 * e->width);
+        }
+        emit_rows(m, e, cv, st, after, s->rot_emit);
+    }
+    k->pool = L->comp_pool;
+    if (csa) {
+        indexer_inputs(m, L, xn, T, s);
+        k->Kc = d->idx_topk < vis->R ? d->idx_topk : vis->R;
+        csa_rows(m, L, vis, T, s, k->Kc);
+        k->crows = s->crows;
+        k->cvalid = s->cvalid;
+    } else {
+        k->Kc = vis->R;
+        k->crows = vis->rows;
+        k->cvalid = vis->valid;
+    }
+}
+
+static void attend_rows(void *c, int64_t lo, int64_t hi) {  /* (token, head) pairs */
+    const RowJob *j = (const RowJob *)c;
+    const StepView *v = j->v;
+    int64_t H = j->m->d.n_heads, hd = j->m->d.head_dim;
+    for (int64_t th = lo; th < hi; th++) {
+        int64_t t = th / H, h = th % H;
+        Keys k = *j->keys;
+        k.keys = v->swa_keys + t * v->Kw;
+        k.valid = v->swa_valid + t * v->Kw;
+        if (k.Kc) {
+            k.crows += t * k.Kc;
+            k.cvalid += t * k.Kc;
+        }
+        attend(j->s->q + th * hd, &k, j->L->sinks[h], j->s->probs + th * j->stride, j->s->out + th * hd);
+    }
+}
+
+static void unrope_rows(void *c, int64_t lo, int64_t hi) {  /* the output's inverse rotation */
+    const RowJob *j = (const RowJob *)c;
+    int64_t H = j->m->d.n_heads, hd = j->m->d.head_dim, half = j->m->d.rope_dim / 2;
+    for (int64_t t = lo; t < hi; t++) rope(j->s->out + t * H * hd, H, hd, j->s->rot + t * half * 2, half, 1);
+}
+
+static void attention(const Model *m, const Layer *L, const StepView *v, const float *xn, float *y, AttnScratch *s) {
+    const Dims *d = &m->d;
+    int64_t T = v->T, D = d->hidden, H = d->n_heads, hd = d->head_dim;
+    int after = (int)v->after_write;
+    project(m, L, v, xn, s);
+    if (after) {
+        write_ring(L->swa, s->kv, v->swa_dst, v->swa_src, v->M, hd);
+    } else {
+        capture(v, d->window, L->snap_swa, L->swa, s->kv, hd);
+    }
+    Keys k0 = {L->swa, s->kv, NULL, after ? INT64_MAX : L->swa_rows, v->Kw, 0, hd, NULL, NULL, NULL, NULL};
+    if (L->kind != 0) compress(m, L, v, xn, s, &k0);
+    RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1};
+    parallel(T * H, 1, attend_rows, &job);
+    if (!after) {  /* prefill: every read of the rings is done; now this forward's rows go in */
+        write_ring(L->swa, s->kv, v->swa_dst, v->swa_src, v->M, hd);
+        if (L->kind != 0) {
+            const CompView *cv = &v->comp[L->comp_key];
+            write_ring(L->comp_ring, s->states_c, cv->ring_dst, cv->ring_src, cv->M, 2 * hd * (L->kind == 1 ? 2 : 1));
+            if (L->kind == 1) write_ring(L->idx_ring, s->states_i, cv->ring_dst, cv->ring_src, cv->M, 4 * d->idx_dim);
+        }
+    }
+    parallel(T, 16, unrope_rows, &job);
+    int64_t G = d->o_groups, ol = d->o_lora, X = H * hd / G;
+    for (int64_t g = 0; g < G; g++) {  /* block-diagonal o_a: group g of the heads by its own rows */
+        Weight wg = L->o_a;
+        wg.p += L->o_a.kn ? g * ol : g * ol * L->o_a.ld;
+        linear(s->out + g * X, H * hd, T, X, wg, ol, s->o_mid + g * ol, G * ol);
+    }
+    linear(s->o_mid, G * ol, T, G * ol, L->o_b, D, y, D);
+}
+
+/* ---- mixture of experts (moe.py route / _grouped_pairs / swiglu) -------------------------------- */
+
+typedef struct {
+    float *logits, *weights, *xs, *h, *ys, *sh;
+    int64_t *idx, *order, *counts;
+} MoeScratch;
+
+static inline float swiglu1(float g, float u, float limit) {
+    g = g < limit ? g : limit;
+    u = u < -limit ? -limit : (u > limit ? limit : u);
+    return g / (1.0f + expf(-g)) * u;
+}
+
+static void route(const Model *m, const Layer *L, const float *xn, const int64_t *ids, const uint8_t *is_image,
+                  int64_t T, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t E = d->n_experts, k = d->top_k;
+    linear(xn, d->hidden, T, d->hidden, L->gate, E, s->logits, E);
+    for (int64_t t = 0; t < T; t++) {
+        float *sc = s->logits + t * E, sel[512];
+        if (d->scoring == 0) {
+            float mx = sc[0], sum = 0.0f;
+            for (int64_t e = 1; e < E; e++) mx = sc[e] > mx ? sc[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (sc[e] = expf(sc[e] - mx));
+            for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+        } else {
+            for (int64_t e = 0; e < E; e++)
+                sc[e] = d->scoring == 1 ? sigmoidf(sc[e]) : sqrtf(sc[e] > 20.0f ? sc[e] : log1pf(expf(sc[e])));
+        }
+        int64_t *idx = s->idx + t * k;
+        int image = is_image && is_image[t] && L->bias_vl;
+        if (L->tid2eid && !image) {
+            int64_t id = ids[t] < 0 ? 0 : (ids[t] >= L->tid2eid_rows ? L->tid2eid_rows - 1 : ids[t]);
+            for (int64_t j = 0; j < k; j++) idx[j] = L->tid2eid[id * k + j];
+        } else {
+            const float *bias = image ? L->bias_vl : L->gate_bias;
+            for (int64_t e = 0; e < E; e++) sel[e] = sc[e] + (bias ? bias[e] : 0.0f);
+            for (int64_t j = 0; j < k; j++) {  /* top-k, highest first (ties: lower expert id) */
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int64_t i = 0; i < j; i++) taken |= idx[i] == e;
+                    if (!taken && (best < 0 || sel[e] > sel[best])) best = e;
+                }
+                idx[j] = best;
+            }
+        }
+        float sum = 0.0f, *w = s->weights + t * k;
+        for (int64_t j = 0; j < k; j++) sum += (w[j] = sc[idx[j]]);
+        for (int64_t j = 0; j < k; j++) w[j] = (d->norm_topk ? w[j] / (sum + 1e-20f) : w[j]) * d->routed_scale;
+    }
+}
+
+static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, float *out, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t E = d->n_experts, k = d->top_k, D = d->hidden, I = d->moe_inter, P = T * k;
+    memset(s->counts, 0, (size_t)(E + 1) * 8);
+    for (int64_t p = 0; p < P; p++) s->counts[s->idx[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) s->counts[e + 1] += s->counts[e];  /* start of each expert's pairs */
+    int64_t fill[1024];
+    for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
+    for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
+    for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t a = s->counts[e], n = s->counts[e + 1] - a;
+        if (!n) continue;
+        Weight gu = {L->exp_gate_up + e * 2 * I * D, D, 0}, dn = {L->exp_down + e * D * I, I, 0};
+        linear(s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
+        for (int64_t i = a; i < a + n; i++) {
+            float *h = s->h + i * 2 * I;
+            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
+        }
+        linear(s->h + a * 2 * I, 2 * I, n, I, dn, D, s->ys + a * D, D);
+    }
+    memset(out, 0, (size_t)(T * D) * 4);
+    for (int64_t i = 0; i < P; i++) axpy(out + (s->order[i] / k) * D, s->weights[s->order[i]], s->ys + i * D, D);
+}
+
+static void moe(const Model *m, const Layer *L, const float *xn, const int64_t *ids, const uint8_t *is_image,
+                int64_t T, float *y, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t D = d->hidden, W = d->shared_inter;
+    route(m, L, xn, ids, is_image, T, s);
+    experts(m, L, xn, T, y, s);
+    if (!L->has_shared) return;
+    linear(xn, D, T, D, L->sh_gate, W, s->sh, 2 * W);
+    linear(xn, D, T, D, L->sh_up, W, s->sh + W, 2 * W);
+    for (int64_t t = 0; t < T; t++) {
+        float *h = s->sh + t * 2 * W;
+        for (int64_t c = 0; c < W; c++) h[c] = swiglu1(h[c], h[W + c], d->swiglu_limit);
+    }
+    linear(s->sh, 2 * W, T, W, L->sh_down, D, s->ys, D);  /* ys is free again: the routed sum is in y */
+    for (int64_t i = 0; i < T * D; i++) y[i] += s->ys[i];
+}
+
