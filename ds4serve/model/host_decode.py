@@ -44,6 +44,7 @@ _ATTEMPTS = (["-march=native"], [])  # tuned for this CPU where the compiler can
 MAX_EXPERTS = 512  # fixed buffers in the C code
 MAX_HC = 16
 MAX_SPAN = 1024
+SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostDecoder._weight)
 
 
 class _Weight(ctypes.Structure):
@@ -70,7 +71,8 @@ class _Layer(ctypes.Structure):
                 + _fields(_Weight, "i_kv", "i_gate", "i_q_b", "i_w") + _fields(c_void_p, "i_ape", "i_norm")
                 + _fields(_Weight, "gate") + _fields(c_void_p, "gate_bias", "bias_vl", "tid2eid")
                 + _fields(c_int64, "tid2eid_rows")
-                + _fields(c_void_p, "exp_gate_up", "exp_down") + _fields(_Weight, "sh_gate", "sh_up", "sh_down")
+                + _fields(c_void_p, "exp_gate_up", "exp_down") + [("exp_kn", c_int64)]
+                + _fields(_Weight, "sh_gate", "sh_up", "sh_down")
                 + _fields(c_int64, "has_shared") + _fields(c_void_p, "swa", "comp_ring", "comp_pool", "idx_ring",
                                                            "idx_pool")
                 + _fields(c_int64, "swa_rows", "comp_ring_rows", "idx_ring_rows")
@@ -204,7 +206,7 @@ class HostDecoder:
                 "image_start", "image_pad", "image_newline", "image_end")},
             inv_freq_main=self._ptr(model.inv_freq_main),
             inv_freq_comp=self._ptr(model.inv_freq_compress), af_main=cfg.rope_main.attention_factor,
-            af_comp=cfg.rope_compress.attention_factor, head_fn=self._weight(m.hc_head.hc_fn, kn=False),
+            af_comp=cfg.rope_compress.attention_factor, head_fn=self._weight(m.hc_head.hc_fn),
             head_base=self._ptr(m.hc_head.hc_base), head_scale=self._ptr(m.hc_head.hc_scale),
             final_norm=self._ptr(m.norm.weight), lm_head=self._weight(model.lm_head.weight), n_layers=cfg.num_layers,
             layers=self._layers, d=self._dims(cfg))
@@ -319,14 +321,23 @@ class HostDecoder:
         return t.data_ptr()
 
     def _weight(self, param: torch.Tensor, kn: bool = True) -> _Weight:
-        """A projection weight ``[out, in]``: stored ``[in, out]`` (in place) where the kernel takes it so."""
+        """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` in place
+        when ``out`` is whole vectors; a small ``out`` (mHC mixes, router, indexer head weights: 4-24
+        columns) as a separate ``[in, out]`` copy padded with zero columns to whole vectors (a few KB);
+        else as it is (dot products along ``in``)."""
         n_out, n_in = param.shape
         data = param.data
         if kn and n_out % self.vw == 0:
-            if not (data.stride() == (1, n_out)):  # not yet stored transposed: do it once
+            if data.stride() != (1, n_out):  # not yet stored transposed: do it once
                 param.data = data.t().contiguous().t()
             self._keep.append(param.data)
             return _Weight(param.data.data_ptr(), n_out, 1)
+        if kn and n_out < SMALL_OUT:
+            width = -(-n_out // self.vw) * self.vw
+            copy = torch.zeros(n_in, width)
+            copy[:, :n_out] = data.t()
+            self._keep.append(copy)
+            return _Weight(copy.data_ptr(), width, 1)
         if not data.is_contiguous():
             param.data = data.contiguous()
         self._keep.append(param.data)
@@ -341,7 +352,7 @@ class HostDecoder:
             out.comp_key = self.comp_keys.index((cfg.compress_ratios[i], kind == 1))
             out.vis_key = self.ratios.index(cfg.compress_ratios[i])
         for name, hc in (("hc_attn", ly.attn_hc), ("hc_ffn", ly.ffn_hc)):
-            setattr(out, f"{name}_fn", self._weight(hc.fn, kn=False))
+            setattr(out, f"{name}_fn", self._weight(hc.fn))
             setattr(out, f"{name}_base", self._ptr(hc.base))
             setattr(out, f"{name}_scale", self._ptr(hc.scale))
         out.attn_norm, out.ffn_norm = self._ptr(ly.input_layernorm.weight), self._ptr(ly.post_attention_layernorm.weight)
@@ -369,16 +380,24 @@ class HostDecoder:
         return out
 
     def _moe(self, out: _Layer, f: nn.Module) -> None:
-        out.gate = self._weight(f.gate.weight, kn=False)
+        out.gate = self._weight(f.gate.weight)
         out.bias_vl = self._ptr(getattr(f.gate, "bias_vl", None))
         if f.is_hash:
             out.tid2eid = self._ptr(f.gate.tid2eid)
         else:
             out.gate_bias = self._ptr(f.gate.e_score_correction_bias)
-        for p in (f.experts.gate_up_proj, f.experts.down_proj):
-            if not p.data.is_contiguous():
+        gate_up, down = f.experts.gate_up_proj, f.experts.down_proj
+        # per expert [in, out] (in place: the parameters become transposed views, which torch's grouped
+        # products take as they are) when both outputs are whole vectors, else as the checkpoint has them
+        out.exp_kn = int(gate_up.shape[1] % self.vw == 0 and down.shape[1] % self.vw == 0)
+        for p in (gate_up, down):
+            stored = p.data.transpose(1, 2)
+            if out.exp_kn and not stored.is_contiguous():
+                p.data = stored.contiguous().transpose(1, 2)
+            elif not out.exp_kn and not p.data.is_contiguous():
                 p.data = p.data.contiguous()
-        out.exp_gate_up, out.exp_down = self._ptr(f.experts.gate_up_proj.data), self._ptr(f.experts.down_proj.data)
+            self._keep.append(p.data)
+        out.exp_gate_up, out.exp_down = gate_up.data.data_ptr(), down.data.data_ptr()
         if f.shared_experts is not None:
             s = f.shared_experts
             out.sh_gate, out.sh_up, out.sh_down = self._weight(s.gate_proj.weight), self._weight(s.up_proj.weight), \

@@ -42,7 +42,7 @@ int ds4_vector_width(void) { return VW; }
 
 /* ---- descriptors (filled once by host_decode.py; field order must match its ctypes mirrors) ---- */
 
-typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld) or [N, K] (row stride ld) */
+typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded to whole vectors) or [N, K] */
     const float *p;
     int64_t ld;
     int64_t kn;
@@ -70,7 +70,8 @@ typedef struct {
     const float *bias_vl;         /* DS4V: image tokens select experts by scores + bias_vl (or NULL) */
     const int64_t *tid2eid;       /* [vocab, top_k] on hash layers, else NULL */
     int64_t tid2eid_rows;
-    const float *exp_gate_up, *exp_down;  /* [E, 2I, D], [E, D, I] */
+    const float *exp_gate_up, *exp_down;  /* [E, 2I, D], [E, D, I]; with exp_kn stored [E, D, 2I], [E, I, D] */
+    int64_t exp_kn;
     Weight sh_gate, sh_up, sh_down;
     int64_t has_shared;
     float *swa, *comp_ring, *comp_pool, *idx_ring, *idx_pool;

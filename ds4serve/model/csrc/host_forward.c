@@ -23,17 +23,17 @@ static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratc
     for (int64_t i = 0; i < v->n_vis; i++) Rmax = max_i(Rmax, v->vis[i].R);
     int64_t Kc = max_i(Rmax, d->idx_topk), P = T * d->top_k, I = d->moe_inter, Hi = d->idx_heads;
     Need needs[] = {
-        {(void **)&s->flat, T * hc * D}, {(void **)&s->z, T * n_mix}, {(void **)&s->x, T * D},
+        {(void **)&s->flat, T * hc * D}, {(void **)&s->z, T * padded(n_mix)}, {(void **)&s->x, T * D},
         {(void **)&s->post, T * hc}, {(void **)&s->comb, T * hc * hc}, {(void **)&s->y, T * D},
         {(void **)&s->tmp, T * hc * D},
         {(void **)&s->a.q, T * H * hd}, {(void **)&s->a.kv, T * hd}, {(void **)&s->a.qr, T * d->q_lora},
         {(void **)&s->a.out, T * H * hd}, {(void **)&s->a.o_mid, T * d->o_groups * d->o_lora},
         {(void **)&s->a.rot, T * d->rope_dim}, {(void **)&s->a.rot_emit, T * d->rope_dim},
         {(void **)&s->a.states_c, T * 4 * hd}, {(void **)&s->a.states_i, T * 4 * d->idx_dim},
-        {(void **)&s->a.q_idx, T * Hi * d->idx_dim}, {(void **)&s->a.head_w, T * Hi},
+        {(void **)&s->a.q_idx, T * Hi * d->idx_dim}, {(void **)&s->a.head_w, T * padded(Hi)},
         {(void **)&s->a.scores, T * Rmax}, {(void **)&s->a.probs, T * H * (v->Kw + Kc + 1)},
         {(void **)&s->a.cols, T * Kc * 2}, {(void **)&s->a.crows, T * Kc * 2}, {(void **)&s->a.cvalid, T * Kc},
-        {(void **)&s->e.logits, T * d->n_experts}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
+        {(void **)&s->e.logits, T * padded(d->n_experts)}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
         {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, max_i(P, T) * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
         {(void **)&s->e.idx, P * 2}, {(void **)&s->e.order, P * 2}, {(void **)&s->e.counts, (d->n_experts + 1) * 2},
     };
@@ -111,16 +111,17 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
     const Dims *d = &m->d;
     int64_t D = d->hidden, hc = d->hc;
     g_threads = threads > 0 ? threads : 1;
-    if (arena_reserve(ar, (N * hc * D + N * hc + N * D) * 4 + 256) != 0) return -1;
-    float *flat = take(ar, N * hc * D), *mix = take(ar, N * hc), *h = take(ar, N * D);
+    int64_t ms = m->head_fn.kn ? padded(hc) : hc;
+    if (arena_reserve(ar, (N * hc * D + N * ms + N * D) * 4 + 256) != 0) return -1;
+    float *flat = take(ar, N * hc * D), *mix = take(ar, N * ms), *h = take(ar, N * D);
     memcpy(flat, streams, (size_t)(N * hc * D) * 4);
     rms_norm(flat, N, hc * D, NULL, d->rms_eps);
-    linear(flat, hc * D, N, hc * D, m->head_fn, hc, mix, hc);
+    linear(flat, hc * D, N, hc * D, m->head_fn, hc, mix, ms);
     for (int64_t t = 0; t < N; t++) {
         float *ht = h + t * D;
         for (int64_t k = 0; k < D; k++) ht[k] = 0.0f;
         for (int64_t i = 0; i < hc; i++) {
-            float pre = sigmoidf(mix[t * hc + i] * m->head_scale[0] + m->head_base[i]) + d->hc_eps;
+            float pre = sigmoidf(mix[t * ms + i] * m->head_scale[0] + m->head_base[i]) + d->hc_eps;
             axpy(ht, pre, streams + (t * hc + i) * D, D);
         }
     }

@@ -3,16 +3,25 @@
 
 /* ---- products --------------------------------------------------------------------------------- */
 
-/* y[m, n] = sum_k x[m, k] w[k, n] for 4 x (nv * VW) outputs; w is [K, N] with row stride ldw */
+/* y[m, n] = sum_k x[m, k] w[k, n] for up to 6 x (nv * VW) outputs; w is [K, N] with row stride ldw */
 static void kn_tile(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
                     float *y, int64_t ldy) {
-    vf acc[4][4];
+    vf acc[6][4];
     memset(acc, 0, sizeof acc);
-    if (mr == 4 && nv == 4) {
+    if (mr == 6 && nv == 4) {  /* the main tile: 24 accumulators, each weight vector used by 6 rows */
         for (int64_t k = 0; k < K; k++) {
             const float *wr = w + k * ldw;
             vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < 6; i++) {
+                vf a = vsplat(x[i * ldx + k]);
+                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;
+            }
+        }
+    } else if (nv == 4) {
+        for (int64_t k = 0; k < K; k++) {
+            const float *wr = w + k * ldw;
+            vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);
+            for (int i = 0; i < mr; i++) {
                 vf a = vsplat(x[i * ldx + k]);
                 acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;
             }
@@ -72,9 +81,9 @@ static void kn_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
     for (int64_t b = lo; b < hi; b++) {
         int64_t n0 = b * 4 * VW;
-        int nv = (int)((j->N - n0) / VW < 4 ? (j->N - n0) / VW : 4);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
-            kn_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->K, j->w.p + n0, j->w.ld, nv,
+        int nv = (int)((j->N - n0 + VW - 1) / VW < 4 ? (j->N - n0 + VW - 1) / VW : 4);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 6)
+            kn_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 6 ? j->M - m0 : 6), j->K, j->w.p + n0, j->w.ld, nv,
                     j->y + m0 * j->ldy + n0, j->ldy);
     }
 }
@@ -90,11 +99,14 @@ static void nk_blocks(void *c, int64_t lo, int64_t hi) {
     }
 }
 
+static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight); column blocks
-   on the pool once there are ~32k multiply-adds per chunk */
+   on the pool once there are ~32k multiply-adds per chunk. A [K, N] weight is stored padded to whole
+   vectors (host_decode.py), and writes padded(N) columns: the caller's ldy makes room for them. */
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
-    LinearJob job = {x, ldx, M, K, w, N, y, ldy};
-    int64_t width = w.kn ? 4 * VW : 4;  /* kn: N % VW == 0 (host_decode.py stores [K, N] only then) */
+    LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy};
+    int64_t width = w.kn ? 4 * VW : 4;
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
     parallel(blocks, grain, w.kn ? kn_blocks : nk_blocks, &job);
@@ -176,6 +188,7 @@ typedef struct {
     const Dims *d;
     const float *streams, *base, *scale;
     float *x, *post, *comb, *flat, *z;
+    int64_t zs;  /* row stride of z: the mixes, padded when the weight is stored [K, N] */
 } HcJob;
 
 static void hc_norm_rows(void *c, int64_t lo, int64_t hi) {
@@ -190,7 +203,7 @@ static void hc_mix_rows(void *c, int64_t lo, int64_t hi) {
     const Dims *d = j->d;
     int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
     for (int64_t t = lo; t < hi; t++) {
-        float *zt = j->z + t * n_mix, pre[16];
+        float *zt = j->z + t * j->zs, pre[16];
         for (int64_t i = 0; i < n_mix; i++) zt[i] = j->base[i] + zt[i] * j->scale[i < hc ? 0 : (i < 2 * hc ? 1 : 2)];
         for (int64_t i = 0; i < hc; i++) {
             pre[i] = sigmoidf(zt[i]) + d->hc_eps;
@@ -216,10 +229,10 @@ static void hc_mix_rows(void *c, int64_t lo, int64_t hi) {
 static void hc_pre(const Dims *d, const float *streams, int64_t T, Weight fn, const float *base, const float *scale,
                    float *x, float *post, float *comb, float *flat, float *z) {
     int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
-    HcJob job = {d, streams, base, scale, x, post, comb, flat, z};
+    HcJob job = {d, streams, base, scale, x, post, comb, flat, z, fn.kn ? padded(n_mix) : n_mix};
     memcpy(flat, streams, (size_t)(T * hc * D) * 4);
     parallel(T, 8, hc_norm_rows, &job);
-    linear(flat, hc * D, T, hc * D, fn, n_mix, z, n_mix);
+    linear(flat, hc * D, T, hc * D, fn, n_mix, z, job.zs);
     parallel(T, 8, hc_mix_rows, &job);
 }
 

@@ -152,30 +152,49 @@ static inline const float *key_row(const Keys *k, int64_t i) {
     return i < k->Kw ? row_of(k->swa, k->n_ring, k->fresh, k->keys[i], k->hd) : k->pool + k->crows[i - k->Kw] * k->hd;
 }
 
-/* one query head over its sliding keys and compressed keys, with the sink (sink_attention) */
-static void attend(const float *q, const Keys *k, float sink, float *probs, float *out) {
+/* heads [0, nh) of one token over its sliding and compressed keys, with the sinks (sink_attention).
+   DS4 has one K=V head (MQA): every key row is read once for all these heads, which matters with many
+   heads (Flash has 64 per rank). q / out: [nh, hd]; probs: [nh, stride] */
+static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks, float *probs, int64_t stride,
+                   float *out) {
     int64_t n = k->Kw + k->Kc, hd = k->hd;
-    float scale = 1.0f / sqrtf((float)hd), mx = sink;
+    float scale = 1.0f / sqrtf((float)hd), mx[64], denom[64];
+    for (int64_t h = 0; h < nh; h++) mx[h] = sinks[h];
     for (int64_t i = 0; i < n; i++) {
         int ok = i < k->Kw ? k->valid[i] : k->cvalid[i - k->Kw];
-        probs[i] = ok ? dot(q, key_row(k, i), hd) * scale : -INFINITY;
-        mx = probs[i] > mx ? probs[i] : mx;
+        const float *row = ok ? key_row(k, i) : NULL;
+        for (int64_t h = 0; h < nh; h++) {
+            float l = row ? dot(q + h * hd, row, hd) * scale : -INFINITY;
+            probs[h * stride + i] = l;
+            mx[h] = l > mx[h] ? l : mx[h];
+        }
     }
-    float denom = expf(sink - mx);
-    for (int64_t i = 0; i < n; i++) denom += (probs[i] = expf(probs[i] - mx));
-    for (int64_t c = 0; c < hd; c++) out[c] = 0.0f;
-    for (int64_t i = 0; i < n; i++)
-        if (probs[i] != 0.0f) axpy(out, probs[i] / denom, key_row(k, i), hd);
+    for (int64_t h = 0; h < nh; h++) {
+        float *p = probs + h * stride;
+        denom[h] = expf(sinks[h] - mx[h]);
+        for (int64_t i = 0; i < n; i++) denom[h] += (p[i] = expf(p[i] - mx[h]));
+    }
+    memset(out, 0, (size_t)(nh * hd) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = NULL;
+        for (int64_t h = 0; h < nh; h++) {
+            float p = probs[h * stride + i];
+            if (p == 0.0f) continue;
+            if (!row) row = key_row(k, i);
+            axpy(out + h * hd, p / denom[h], row, hd);
+        }
+    }
 }
 
 static void indexer_inputs(const Model *m, const Layer *L, const float *xn, int64_t T, AttnScratch *s) {
     const Dims *d = &m->d;
     int64_t Hi = d->idx_heads, di = d->idx_dim, half = d->rope_dim / 2;
     linear(s->qr, d->q_lora, T, d->q_lora, L->i_q_b, Hi * di, s->q_idx, Hi * di);
-    linear(xn, d->hidden, T, d->hidden, L->i_w, Hi, s->head_w, Hi);
+    int64_t hs = L->i_w.kn ? padded(Hi) : Hi;
+    linear(xn, d->hidden, T, d->hidden, L->i_w, Hi, s->head_w, hs);
     for (int64_t t = 0; t < T; t++) {  /* s->rot rows hold the compress rotations (a CSA layer's own) */
         rope(s->q_idx + t * Hi * di, Hi, di, s->rot + t * half * 2, half, 0);
-        for (int64_t h = 0; h < Hi; h++) s->head_w[t * Hi + h] *= 1.0f / sqrtf((float)Hi);
+        for (int64_t h = 0; h < Hi; h++) s->head_w[t * Hi + h] = s->head_w[t * hs + h] / sqrtf((float)Hi);
     }
 }
 
@@ -247,12 +266,12 @@ static void compress(const Model *m, const Layer *L, const StepView *v, const fl
     }
 }
 
-static void attend_rows(void *c, int64_t lo, int64_t hi) {  /* (token, head) pairs */
+static void attend_rows(void *c, int64_t lo, int64_t hi) {  /* (token, group of heads) items */
     const RowJob *j = (const RowJob *)c;
     const StepView *v = j->v;
-    int64_t H = j->m->d.n_heads, hd = j->m->d.head_dim;
-    for (int64_t th = lo; th < hi; th++) {
-        int64_t t = th / H, h = th % H;
+    int64_t H = j->m->d.n_heads, hd = j->m->d.head_dim, groups = j->kc, per = (H + groups - 1) / groups;
+    for (int64_t item = lo; item < hi; item++) {
+        int64_t t = item / groups, h0 = (item % groups) * per, nh = H - h0 < per ? H - h0 : per;
         Keys k = *j->keys;
         k.keys = v->swa_keys + t * v->Kw;
         k.valid = v->swa_valid + t * v->Kw;
@@ -260,7 +279,9 @@ static void attend_rows(void *c, int64_t lo, int64_t hi) {  /* (token, head) pai
             k.crows += t * k.Kc;
             k.cvalid += t * k.Kc;
         }
-        attend(j->s->q + th * hd, &k, j->L->sinks[h], j->s->probs + th * j->stride, j->s->out + th * hd);
+        int64_t th = t * H + h0;
+        attend(j->s->q + th * hd, nh, &k, j->L->sinks + h0, j->s->probs + th * j->stride, j->stride,
+               j->s->out + th * hd);
     }
 }
 
@@ -282,8 +303,13 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     }
     Keys k0 = {L->swa, s->kv, NULL, after ? INT64_MAX : L->swa_rows, v->Kw, 0, hd, NULL, NULL, NULL, NULL};
     if (L->kind != 0) compress(m, L, v, xn, s, &k0);
-    RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1};
-    parallel(T * H, 1, attend_rows, &job);
+    /* items: (token, group of heads); one group of all heads once there are tokens enough for every
+       thread, else the heads split so that a decode row still spreads (at most 64 heads a group) */
+    int64_t groups = T >= 2 * g_threads ? 1 : (2 * g_threads + T - 1) / T;
+    groups = groups > H ? H : groups;
+    while ((H + groups - 1) / groups > 64) groups++;
+    RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1, .kc = groups};
+    parallel(T * groups, 1, attend_rows, &job);
     if (!after) {  /* prefill: every read of the rings is done; now this forward's rows go in */
         write_ring(L->swa, s->kv, v->swa_dst, v->swa_src, v->M, hd);
         if (L->kind != 0) {
@@ -318,10 +344,10 @@ static inline float swiglu1(float g, float u, float limit) {
 static void route(const Model *m, const Layer *L, const float *xn, const int64_t *ids, const uint8_t *is_image,
                   int64_t T, MoeScratch *s) {
     const Dims *d = &m->d;
-    int64_t E = d->n_experts, k = d->top_k;
-    linear(xn, d->hidden, T, d->hidden, L->gate, E, s->logits, E);
+    int64_t E = d->n_experts, k = d->top_k, ls = L->gate.kn ? padded(E) : E;
+    linear(xn, d->hidden, T, d->hidden, L->gate, E, s->logits, ls);
     for (int64_t t = 0; t < T; t++) {
-        float *sc = s->logits + t * E, sel[512];
+        float *sc = s->logits + t * ls, sel[512];
         if (d->scoring == 0) {
             float mx = sc[0], sum = 0.0f;
             for (int64_t e = 1; e < E; e++) mx = sc[e] > mx ? sc[e] : mx;
@@ -368,7 +394,9 @@ static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, 
     for (int64_t e = 0; e < E; e++) {
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         if (!n) continue;
-        Weight gu = {L->exp_gate_up + e * 2 * I * D, D, 0}, dn = {L->exp_down + e * D * I, I, 0};
+        /* stored [E, D, 2I] / [E, I, D] ([K, N] per expert) or as the checkpoint has them */
+        Weight gu = {L->exp_gate_up + e * 2 * I * D, L->exp_kn ? 2 * I : D, L->exp_kn},
+               dn = {L->exp_down + e * D * I, L->exp_kn ? D : I, L->exp_kn};
         linear(s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
         for (int64_t i = a; i < a + n; i++) {
             float *h = s->h + i * 2 * I;
