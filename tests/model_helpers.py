@@ -44,11 +44,17 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def feed(core, reqs, every: int = 0) -> None:
-    """Step ``core`` until idle, request i arriving at step ``i * every`` (0: all at once)."""
+def feed(core, reqs, every: int = 0, encoded: bool = False) -> None:
+    """Step ``core`` until idle, request i arriving at step ``i * every`` (0: all at once). ``encoded``:
+    every admitted request's images are encoded before the next step, so which step first sees an image
+    ready depends on the steps alone, not on how fast the encoder thread runs against the engine (tests
+    that need the pool to fill in a given way)."""
     pending, step = list(reqs), 0
     while pending or core.has_work:
         while pending and step >= every * (len(reqs) - len(pending)):
             core.add(pending.pop(0))
+        for r in core.scheduler.running if encoded else ():
+            if r.images_submitted:
+                assert core.encoder.wait(r.request_id, 60), f"{r.request_id}: images not encoded in 60 s"
         core.step()
         step += 1

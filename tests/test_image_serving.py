@@ -11,7 +11,7 @@ import torch
 from ds4serve.chat import Tokenizer
 from ds4serve.engine.sampling import SamplingParams
 from image_helpers import image_prompt, image_url
-from model_helpers import random_ids
+from model_helpers import feed, random_ids
 
 GEN = 10
 
@@ -173,9 +173,7 @@ def test_forced_eviction_with_images(make_llm, tok):
     solo = [_solo(make_llm(max_seqs=1).core, p, ims, n=24) for p, ims in jobs]
     reqs = [core.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), images=ims)
             for p, ims in jobs]
-    for r in reqs:
-        core.add(r)
-    core.run_until_idle()
+    feed(core, reqs, encoded=True)  # images encoded before each step: the same preemptions on any machine
     stats = core.scheduler.stats
     assert stats["preempt_suspend"] > 0 and stats["preempt_drop"] > 0, stats
     for r, want in zip(reqs, solo):

@@ -199,21 +199,6 @@ def _mixed(core, tok, solo_core):
     return prompts, images
 
 
-def _feed_encoded(core, reqs, every: int) -> None:
-    """``feed``, but every admitted request's images are encoded before the next step: which step first
-    sees an image ready then depends on the steps alone, not on how fast this machine runs the encoder
-    thread against the engine, so where the pool fills up (and what is evicted) is the same every run."""
-    pending, step = list(reqs), 0
-    while pending or core.has_work:
-        while pending and step >= every * (len(reqs) - len(pending)):
-            core.add(pending.pop(0))
-        for r in core.scheduler.running:
-            if r.images_submitted:
-                assert core.encoder.wait(r.request_id, 60)
-        core.step()
-        step += 1
-
-
 def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     """Text, image and multi-turn requests together, arriving every 3 steps into a pool of ~3
     prompts: hits (images under some of them), evictions and preemptions happen, and every output
@@ -229,7 +214,7 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     params = [_params(8) for _ in prompts]
     solo = [_run(solo_core, [p], [q], images=ims)[0] for p, q, ims in zip(prompts, params, images)]
     reqs = [core.make_request(p, q, images=ims) for p, q, ims in zip(prompts, params, images)]
-    _feed_encoded(core, reqs, every=3)
+    feed(core, reqs, every=3, encoded=True)  # where the pool fills must not depend on the encoder's speed
     stats, prefix = core.scheduler.stats, core.prefix_stats()
     assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
     assert prefix["evictions"] > 0 and sum(r.cached_tokens > 0 for r in reqs) >= 4, prefix
