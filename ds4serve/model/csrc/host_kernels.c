@@ -3,40 +3,61 @@
 
 /* ---- products --------------------------------------------------------------------------------- */
 
-/* y[m, n] = sum_k x[m, k] w[k, n] for up to 6 x (nv * VW) outputs; w is [K, N] with row stride ldw */
-static void kn_tile(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
-                    float *y, int64_t ldy) {
+/* y[m, n] = sum_k x[m, k] w[k, n] for MR rows x 4 vectors of outputs; w is [K, N] with row stride ldw.
+   One function per row count, so the accumulators stay in registers (a runtime count spills them). */
+#define KN_TILE(MR)                                                                                      \
+    static void kn_tile_##MR(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
+                             int64_t ldy) {                                                              \
+        vf acc[MR][4];                                                                                   \
+        memset(acc, 0, sizeof acc);                                                                      \
+        for (int64_t k = 0; k < K; k++) {                                                                \
+            const float *wr = w + k * ldw;                                                               \
+            vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);    \
+            for (int i = 0; i < MR; i++) {                                                               \
+                vf a = vsplat(x[i * ldx + k]);                                                           \
+                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;      \
+            }                                                                                            \
+        }                                                                                                \
+        for (int i = 0; i < MR; i++)                                                                     \
+            for (int j = 0; j < 4; j++) vstore(y + i * ldy + j * VW, acc[i][j]);                         \
+    }
+KN_TILE(1)
+KN_TILE(2)
+KN_TILE(3)
+KN_TILE(4)
+KN_TILE(5)
+KN_TILE(6)
+
+/* the same for up to 6 rows x nv < 4 vectors (the last block of a padded small projection) */
+static void kn_tile_narrow(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
+                           float *y, int64_t ldy) {
     vf acc[6][4];
     memset(acc, 0, sizeof acc);
-    if (mr == 6 && nv == 4) {  /* the main tile: 24 accumulators, each weight vector used by 6 rows */
-        for (int64_t k = 0; k < K; k++) {
-            const float *wr = w + k * ldw;
-            vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);
-            for (int i = 0; i < 6; i++) {
-                vf a = vsplat(x[i * ldx + k]);
-                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;
-            }
-        }
-    } else if (nv == 4) {
-        for (int64_t k = 0; k < K; k++) {
-            const float *wr = w + k * ldw;
-            vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);
-            for (int i = 0; i < mr; i++) {
-                vf a = vsplat(x[i * ldx + k]);
-                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < K; k++) {
-            const float *wr = w + k * ldw;
-            for (int j = 0; j < nv; j++) {
-                vf b = vload(wr + j * VW);
-                for (int i = 0; i < mr; i++) acc[i][j] += vsplat(x[i * ldx + k]) * b;
-            }
+    for (int64_t k = 0; k < K; k++) {
+        const float *wr = w + k * ldw;
+        for (int j = 0; j < nv; j++) {
+            vf b = vload(wr + j * VW);
+            for (int i = 0; i < mr; i++) acc[i][j] += vsplat(x[i * ldx + k]) * b;
         }
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, acc[i][j]);
+}
+
+static void kn_tile(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
+                    float *y, int64_t ldy) {
+    if (nv < 4) {
+        kn_tile_narrow(x, ldx, mr, K, w, ldw, nv, y, ldy);
+        return;
+    }
+    switch (mr) {
+        case 1: kn_tile_1(x, ldx, K, w, ldw, y, ldy); break;
+        case 2: kn_tile_2(x, ldx, K, w, ldw, y, ldy); break;
+        case 3: kn_tile_3(x, ldx, K, w, ldw, y, ldy); break;
+        case 4: kn_tile_4(x, ldx, K, w, ldw, y, ldy); break;
+        case 5: kn_tile_5(x, ldx, K, w, ldw, y, ldy); break;
+        default: kn_tile_6(x, ldx, K, w, ldw, y, ldy); break;
+    }
 }
 
 /* y[m, n] = sum_k x[m, k] w[n, k] for up to 4 x 4 outputs (w [N, K], row stride ldw) */
