@@ -74,7 +74,9 @@ def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device,
-               max_image_tokens: int = 384) -> BatchView:
+               max_image_tokens: int = 384, tiles: bool = True) -> BatchView:
+    """The view of one forward over ``chunks``. ``tiles`` False: no query tiles (a consumer that reads the
+    per-query key lists, like the native host forward, needs none; the torch path then gathers)."""
     _check_chunks(layout, n_slots, chunks)
     g = _Geometry.of(layout, chunks)
     window = layout.cfg.sliding_window
@@ -100,7 +102,7 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
-    tiles, gather = _query_tiles(g, lo, hi, visible, window, n_slots * window)
+    tiles, gather = _query_tiles(g, lo, hi, visible, window, n_slots * window) if tiles else ([], None)
 
     is_image = tensors["ids"] >= layout.cfg.vocab_size
     has_images = bool(is_image.any())
@@ -119,7 +121,7 @@ def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], de
                               new_stop=t.new_stop, swa_mask=dev(t.swa_mask),
                               comp_rows={k: dev(v) for k, v in t.comp_rows.items()},
                               comp_mask={k: dev(v) for k, v in t.comp_mask.items()}) for t in tiles),
-        gather_tokens=dev(gather) if tiles and gather.numel() else None,
+        gather_tokens=dev(gather) if tiles and gather is not None and gather.numel() else None,
         rings_after_write=after,
         captures=_captures(layout, g, chunks, device) if any(c.captures for c in chunks) else None,
     )

@@ -169,7 +169,7 @@ class Engine:
 
     def _view(self, chunks):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,
-                          max_image_tokens=self.cfg.vision.max_n_token)
+                          max_image_tokens=self.cfg.vision.max_n_token, tiles=self.host is None)
 
     def _member_chunk(self, m: PassMember) -> SeqChunk:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
