@@ -338,7 +338,10 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its (uninitialised) weight, nn.Embedding skips its random init: that init, run on the meta
+        # device while the model is built, imports torch._dynamo (~1 s and ~100 MB resident for nothing)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size)

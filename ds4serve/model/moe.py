@@ -154,7 +154,6 @@ def _dense_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     return torch.bmm(act.transpose(0, 1), down.transpose(1, 2)).sum(dim=0)
 
 
-@torch.compiler.disable
 def _grouped_experts(x, idx, weights, gate_up, down, limit) -> torch.Tensor:
     return _grouped_pairs(x, None, idx.reshape(-1), weights.reshape(-1), gate_up, down, limit, idx.shape[1])
 

@@ -17,8 +17,10 @@ from .native import rope_native
 
 
 def inverse_frequencies(params: RopeParams, rope_dim: int) -> torch.Tensor:
-    """Inverse frequencies ``[rope_dim // 2]`` (fp32), YaRN-ramped when ``params`` says so."""
-    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    """Inverse frequencies ``[rope_dim // 2]`` (fp32, on the host), YaRN-ramped when ``params`` says so.
+    Always made on the host: under a meta-device context (a model built to be loaded), a meta ``arange``
+    runs through torch's reference ops, which import torch._dynamo (~1 s, ~100 MB resident)."""
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32, device="cpu") / rope_dim
     pos_freqs = params.theta**exponents
     inv_extra = 1.0 / pos_freqs
     if params.rope_type == "default":
@@ -27,7 +29,7 @@ def inverse_frequencies(params: RopeParams, rope_dim: int) -> torch.Tensor:
     low, high = _yarn_correction_range(params, rope_dim)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1.0 - ramp
     return inv_inter * (1.0 - extrapolation_weight) + inv_extra * extrapolation_weight
 

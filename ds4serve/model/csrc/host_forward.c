@@ -15,17 +15,30 @@ typedef struct {
     int64_t floats;  /* 4-byte units (an int64 takes two) */
 } Need;
 
-/* lay the step's scratch out in the arena (or, with dry, only add up its bytes) */
+static int64_t lay_out(const Need *needs, size_t n, Arena *ar, int dry) {
+    int64_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        int64_t k = max_i(needs[i].floats, 1);
+        total += ((k * 4 + 63) / 64) * 64;
+        if (!dry) *needs[i].slot = take(ar, k);
+    }
+    return total;
+}
+
+/* lay the step's scratch out in the arena (or, with dry, only add up its bytes). The attention's buffers
+   and the experts' are never live at once, so they share one region; mHC's normed streams (hc_pre) and
+   its expanded streams (hc_post) share one buffer too. */
 static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratch *s, int dry) {
     const Dims *d = &m->d;
     int64_t T = v->T, D = d->hidden, hc = d->hc, H = d->n_heads, hd = d->head_dim, n_mix = (2 + hc) * hc;
     int64_t Rmax = 0;
     for (int64_t i = 0; i < v->n_vis; i++) Rmax = max_i(Rmax, v->vis[i].R);
     int64_t Kc = max_i(Rmax, d->idx_topk), P = T * d->top_k, I = d->moe_inter, Hi = d->idx_heads;
-    Need needs[] = {
+    Need common[] = {
         {(void **)&s->flat, T * hc * D}, {(void **)&s->z, T * padded(n_mix)}, {(void **)&s->x, T * D},
         {(void **)&s->post, T * hc}, {(void **)&s->comb, T * hc * hc}, {(void **)&s->y, T * D},
-        {(void **)&s->tmp, T * hc * D},
+    };
+    Need attn[] = {
         {(void **)&s->a.q, T * H * hd}, {(void **)&s->a.kv, T * hd}, {(void **)&s->a.qr, T * d->q_lora},
         {(void **)&s->a.out, T * H * hd}, {(void **)&s->a.o_mid, T * d->o_groups * d->o_lora},
         {(void **)&s->a.rot, T * d->rope_dim}, {(void **)&s->a.rot_emit, T * d->rope_dim},
@@ -33,17 +46,18 @@ static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratc
         {(void **)&s->a.q_idx, T * Hi * d->idx_dim}, {(void **)&s->a.head_w, T * padded(Hi)},
         {(void **)&s->a.scores, T * Rmax}, {(void **)&s->a.probs, T * H * (v->Kw + Kc + 1)},
         {(void **)&s->a.cols, T * Kc * 2}, {(void **)&s->a.crows, T * Kc * 2}, {(void **)&s->a.cvalid, T * Kc},
+    };
+    Need experts[] = {
         {(void **)&s->e.logits, T * padded(d->n_experts)}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
         {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, max_i(P, T) * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
         {(void **)&s->e.idx, P * 2}, {(void **)&s->e.order, P * 2}, {(void **)&s->e.counts, (d->n_experts + 1) * 2},
     };
-    int64_t total = 0;
-    for (size_t i = 0; i < sizeof needs / sizeof needs[0]; i++) {
-        int64_t n = max_i(needs[i].floats, 1);
-        total += ((n * 4 + 63) / 64) * 64;
-        if (!dry) *needs[i].slot = take(ar, n);
-    }
-    return total;
+    int64_t base = lay_out(common, sizeof common / sizeof common[0], ar, dry);
+    int64_t a = lay_out(attn, sizeof attn / sizeof attn[0], ar, dry);
+    if (!dry) ar->used -= a;  /* the experts' buffers start where the attention's do */
+    int64_t e = lay_out(experts, sizeof experts / sizeof experts[0], ar, dry);
+    s->tmp = s->flat;
+    return base + max_i(a, e);
 }
 
 static void layer_forward(const Model *m, const Layer *L, const StepView *v, float *streams, Scratch *s) {
