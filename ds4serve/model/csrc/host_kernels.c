@@ -28,9 +28,37 @@ KN_TILE(4)
 KN_TILE(5)
 KN_TILE(6)
 
-/* the same for up to 6 rows x nv < 4 vectors (the last block of a padded small projection) */
+/* the same for up to 6 rows x nv < 4 vectors (the last block of a padded small projection: the mHC
+   mixes are 24 columns = 2 vectors); 6 full rows with a constant vector count keep registers, the rest
+   take the generic loop */
+#define KN_TILE_6xNV(NV)                                                                                  \
+    static void kn_tile_6x##NV(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
+                               int64_t ldy) {                                                             \
+        vf acc[6][NV];                                                                                    \
+        memset(acc, 0, sizeof acc);                                                                       \
+        for (int64_t k = 0; k < K; k++) {                                                                 \
+            vf b[NV];                                                                                     \
+            for (int j = 0; j < NV; j++) b[j] = vload(w + k * ldw + j * VW);                              \
+            for (int i = 0; i < 6; i++) {                                                                 \
+                vf a = vsplat(x[i * ldx + k]);                                                            \
+                for (int j = 0; j < NV; j++) acc[i][j] += a * b[j];                                       \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < 6; i++)                                                                       \
+            for (int j = 0; j < NV; j++) vstore(y + i * ldy + j * VW, acc[i][j]);                        \
+    }
+KN_TILE_6xNV(1)
+KN_TILE_6xNV(2)
+KN_TILE_6xNV(3)
+
 static void kn_tile_narrow(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
                            float *y, int64_t ldy) {
+    if (mr == 6) {
+        if (nv == 1) kn_tile_6x1(x, ldx, K, w, ldw, y, ldy);
+        else if (nv == 2) kn_tile_6x2(x, ldx, K, w, ldw, y, ldy);
+        else kn_tile_6x3(x, ldx, K, w, ldw, y, ldy);
+        return;
+    }
     vf acc[6][4];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k++) {
