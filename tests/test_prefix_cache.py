@@ -229,6 +229,44 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     assert core.cache.state.pages.used_pages == 0
 
 
+def test_pinned_snapshots_never_stall_the_pool(random_ckpt):
+    """The same traffic in a pool of 5 prompt-chunks (640 tokens): requests that skipped their image
+    through a hit pin that snapshot while they are parked, and the oldest running request needs those
+    very pages. Before the fix nothing moved again: the pinned pages counted as free, so a parked pin
+    holder was resumed, found no room, was dropped again, every step (2,968 drops in 3,000 steps). Now
+    pins give way (a suspended holder gives its pin up; a parked one that cannot come back without it
+    fails alone, loudly) and everything else completes with its solo answer."""
+    from ds4serve.chat import Tokenizer
+    from ds4serve.llm import LLM
+
+    tok = Tokenizer(random_ckpt)
+    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False).core
+    core = LLM(random_ckpt, max_seqs=16, kv_budget=640, host_budget="400KB", step_tokens=64,
+               max_prefill_tokens=128, prefix_cache_budget="8MB").core
+    prompts, images = _mixed(core, tok, solo_core)
+    reqs = [core.make_request(p, _params(8), images=ims) for p, ims in zip(prompts, images)]
+    pending, step = list(reqs), 0
+    while (pending or core.has_work) and step < 1000:
+        while pending and step >= 3 * (len(reqs) - len(pending)):
+            core.add(pending.pop(0))
+        for r in core.scheduler.running:
+            if r.images_submitted:
+                assert core.encoder.wait(r.request_id, 60)
+        core.step()
+        step += 1
+    assert not core.has_work, f"no progress after {step} steps: {core.scheduler.stats}"
+    assert core.scheduler.stats["resumed"] < 50, core.scheduler.stats
+    failed = [r for r in reqs if r.status.value == "finished_error"]
+    assert all("out of cache memory" in r.error for r in failed) and len(failed) <= 2, [r.error for r in failed]
+    for i, r in enumerate(reqs):
+        if r not in failed:
+            want = _run(solo_core, [prompts[i]], [_params(8)], images=images[i])[0]
+            assert r.output_ids == want.output_ids, f"request {i} differs"
+    assert core.leaks() == ""
+    core.reset_prefix_cache()
+    assert core.cache.state.pages.used_pages == 0
+
+
 def test_a_dropped_image_hit_recomputes_through_its_pinned_snapshot(random_ckpt):
     """No host budget, so a preempted request is dropped: the one whose image was skipped by its hit
     comes back through the snapshot it pinned (its image rows were never made) with the same answer."""

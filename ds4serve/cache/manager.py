@@ -97,8 +97,10 @@ class CacheManager:
 
     @property
     def free_pages(self) -> int:
-        """Free pages plus those only the prefix cache holds (evicted on demand)."""
-        return self.state.pages.free_pages + self.state.pages.cache_only_pages
+        """Free pages plus those only the prefix cache holds and may evict on demand (not those of a
+        snapshot a parked request pins: counting them made admission resume a request it could not run)."""
+        pinned = self.prefix.pinned_pages() if self.prefix is not None else 0
+        return self.state.pages.free_pages + self.state.pages.cache_only_pages - pinned
 
     def make_room(self, n_pages: int) -> bool:
         """Evict prefix snapshots until ``n_pages`` pages are really free (False if they cannot be)."""

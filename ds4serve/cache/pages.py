@@ -58,6 +58,10 @@ class PageAllocator:
     def owned(self, owner: int) -> int:
         return len(self._tables.get(owner, ()))
 
+    def cache_only(self, page: int) -> bool:
+        """Whether only the prefix cache holds ``page`` (no sequence's table has it)."""
+        return self._held[page] > 0 and self._seq[page] == 0
+
     def shared(self, page: int) -> bool:
         """Whether anybody besides one table references ``page`` (a write to it would be a bug)."""
         return self._seq[page] + self._held[page] > 1

@@ -227,6 +227,13 @@ class PrefixCache:
             raise RuntimeError("prefix snapshot unpinned more often than pinned")
         snap.pins -= 1
 
+    def pinned_pages(self) -> int:
+        """Pages only the cache holds that a pinned snapshot keeps: no eviction frees them."""
+        return len({p for s in self._lru.values() if s.pins for p in s.pages if self.pages.cache_only(p)})
+
+    def has_pins(self) -> bool:
+        return any(s.pins for s in self._lru.values())
+
     def holds(self) -> dict[int, int]:
         return dict(self._holds)
 

@@ -140,13 +140,40 @@ class Scheduler:
             decodes = self._plan_decodes(lane)
             passes = self._plan_prefill(len(decodes), lane)
             holders = self._lane(lane)
-            if decodes or passes or not self._page_starved or len(holders) < 2:
+            if decodes or passes or not self._page_starved:
                 return decodes, passes
             # every running request is prefilling and none can get pages for its next chunk: nobody
             # would ever move again (each holds pages the others need). Free the newest so the
             # oldest goes on; nothing was reserved by the empty plan, so planning again is safe.
-            if not self._preempt(holding_pages=True, among=holders):
+            if len(holders) >= 2 and self._preempt(holding_pages=True, among=holders):
+                continue
+            # a lone page holder is starved only by pages that parked requests' pinned snapshots keep
+            if not self._release_a_pin():
                 return decodes, passes
+
+    def _release_a_pin(self) -> bool:
+        """Free pages that pinned prefix snapshots keep from running requests (DESIGN §6 invariant 7).
+
+        A request that skipped images through a prefix hit pins that snapshot so that a recompute can
+        come back through it; while it is parked the pinned pages are no one's to use, and if the oldest
+        running request needs them nobody would move again. Newest first: a suspended request gives its
+        pin up (its host snapshot restores it; it is no longer droppable then); a dropped one cannot come
+        back without it and fails alone, loudly."""
+        pinned = [r for r in self.parked if r.prefix is not None and r.prefix.pinned is not None]
+        if not pinned:
+            return False
+        suspended = [r for r in pinned if r.status is RequestStatus.SUSPENDED]
+        victim = max(suspended or pinned, key=lambda r: r.arrival)
+        if victim.status is RequestStatus.SUSPENDED:
+            self.reuse.release(victim)
+            log.info("released the prefix pin of suspended %s: running requests need its pages", victim.request_id)
+        else:
+            log.warning("failing parked %s: its recompute needs a pinned prefix snapshot whose pages running "
+                        "requests need", victim.request_id)
+            self._finish(victim, RequestStatus.FINISHED_ERROR,
+                         error="out of cache memory: this request's images were served from the prefix cache, "
+                               "and the cached state it needs to resume had to be given to older requests")
+        return True
 
     def _resume_parked(self) -> None:
         for req in list(self.parked):
@@ -206,7 +233,10 @@ class Scheduler:
         return self.encoder.ready(req.request_id) if req.images_submitted else ()
 
     def recomputable(self, req: Request) -> bool:
-        """Whether dropping ``req`` loses nothing (see ``Request.recomputable_from``)."""
+        """Whether dropping ``req`` loses nothing (see ``Request.recomputable_from``): images a prefix hit
+        skipped come back only through the snapshot it pins, so without that pin it is not."""
+        if req.first_image and (req.prefix is None or req.prefix.pinned is None):
+            return False
         return req.recomputable_from(self._images(req))
 
     def _watermark(self) -> int:
