@@ -156,7 +156,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             "step uses (~13%% of the expert bytes for MXFP4; on CPU decode ~1.2-1.35x slower; on CUDA Triton "
                             "GEMMs decode tiles in registers, not yet run on a GPU)")
     serve.add_argument("--threads", type=int, default=None,
-                       help="torch intra-op CPU threads (default: torch's choice, usually one per core)")
+                       help="CPU threads of torch and of the native host forward (default: torch's choice, "
+                            "usually one per core)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks (one process per device: cuda:0..N-1, or N CPU processes over gloo)")
     serve.add_argument("--enable-expert-parallel", action="store_true", help="whole routed experts per rank")

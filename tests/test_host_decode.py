@@ -205,3 +205,51 @@ def test_the_start_up_self_check_turns_a_wrong_native_forward_off(ckpt_factory, 
     assert "native host forward turned off" in caplog.text and "hidden states of a prefill chunk differ" in caplog.text
     with pytest.raises(RuntimeError, match="disagrees with the torch path"):
         LLM(path, max_seqs=2, host_kernels="on")
+
+
+def test_image_prompts_are_the_same_on_both_paths(random_ckpt):
+    """A random DS4V checkpoint (sentinel rows, aligner rows in IMAGE slots, image tokens routed with a
+    non-zero ``bias_vl``, also on its hash layer, bidirectional spans; the bundled model's ``bias_vl`` is
+    all zero, so it could not tell): one- and two-image prompts, batched, give the torch path's tokens
+    and logprobs. (The start-up self-check covers text only.)"""
+    from ds4serve.chat import Tokenizer
+    from ds4serve.engine.sampling import SamplingParams
+    from image_helpers import image_prompt
+
+    tok = Tokenizer(random_ckpt)
+    outs = {}
+    for mode in ("on", "off"):
+        core = LLM(random_ckpt, max_seqs=4, host_kernels=mode).core
+        reqs = []
+        for text, seeds in (("What colour is the circle?", [1]), ("Which image has more shapes?", [2, 3]),
+                            ("How many shapes are there?", [4])):
+            ids, images = image_prompt(core, tok, text, seeds)
+            reqs.append(core.make_request(ids, SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
+                                          images=images))
+        for r in reqs:
+            core.add(r)
+        core.run_until_idle()
+        outs[mode] = reqs
+        assert (core.engine.host is not None) == (mode == "on")
+    for a, b in zip(outs["on"], outs["off"]):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x[0] - y[0]) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+
+
+def test_the_thread_pool_runs_every_item_of_every_loop_once():
+    """The work-claiming pool (csrc/host_pool.c): thousands of back-to-back loops of a few chunks each
+    (workers waking late, loops following each other within microseconds), at several thread counts,
+    also while a second thread calls in (it runs its loops alone): every item exactly once per loop."""
+    import threading
+
+    lib = host_decode.library()
+    assert lib is not None
+    for threads in (1, 2, 3, 5):
+        assert lib.ds4_pool_check(3000, 37, threads) == 0, threads
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(lib.ds4_pool_check(2000, 23, 2))) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert results == [0, 0]

@@ -183,11 +183,17 @@ def test_an_engine_exception_inside_a_pass_slice(llms, work, monkeypatch, persis
 
 @pytest.mark.parametrize("length", [1020, 1029, 1035, 1039, 1040, 1045, 1060])
 def test_a_long_image_prompt_beside_a_decoder_completes(llms, tok, length):
-    """The issue's staging overflow: default settings, one text request decoding, then an image
-    request of ~1,040 tokens whose first chunk (block + swallowed tail) exceeds max_prefill_tokens."""
+    """The issue's staging overflow: one text request decoding, then an image request of ~1,040 tokens
+    whose first chunk (block + swallowed tail) exceeds max_prefill_tokens and runs as a layer-sliced
+    pass through staging. A step budget just over max_prefill_tokens gets that chunk beside a decoder
+    (with the default budget an image chunk beside decoders ends with its block) and slices it (a
+    budget of 1,029 tokens x L row-layers holds L - 1 layers of ~1,039 rows). No prefix cache: the
+    lengths share their prefix, and a hit would shorten every chunk after the first length's."""
     from ds4serve.llm import LLM
 
-    llm = llms.setdefault("defaults", LLM(BUNDLED))
+    if "step-1030" not in llms:
+        llms["step-1030"] = LLM(BUNDLED, step_tokens=1030, enable_prefix_caching=False)
+    llm = llms["step-1030"]
     core = llm.core
     ex = next(e for e in examples(3, 40) if e.images)
     pipe = ImagePipeline.for_engine(core, tok)

@@ -164,6 +164,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_logits.argtypes = [POINTER(_Model), c_void_p, c_int64, c_void_p, POINTER(_Arena), c_int]
     lib.ds4_logits.restype = c_int
     lib.ds4_arena_free.argtypes = [POINTER(_Arena)]
+    lib.ds4_pool_check.argtypes = [c_int64, c_int64, c_int]
+    lib.ds4_pool_check.restype = c_int64
     return lib
 
 

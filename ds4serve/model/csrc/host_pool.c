@@ -144,3 +144,30 @@ static void parallel(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
     }
     pthread_mutex_unlock(&p->busy);
 }
+
+/* ---- self-check (tests): every item of every loop runs exactly once ---------------------------- */
+
+typedef struct {
+    _Atomic int32_t *counts;
+} CountJob;
+
+static void count_items(void *c, int64_t lo, int64_t hi) {
+    CountJob *j = (CountJob *)c;
+    for (int64_t i = lo; i < hi; i++) {
+        for (volatile int spin = 0; spin < 200; spin++) {}  /* long enough for loops to overlap */
+        atomic_fetch_add(&j->counts[i], 1);
+    }
+}
+
+/* run `loops` loops of `items` items on `threads` threads; returns how many items did not run once per loop */
+int64_t ds4_pool_check(int64_t loops, int64_t items, int threads) {
+    _Atomic int32_t *counts = calloc((size_t)items, sizeof *counts);
+    if (!counts) return -1;
+    g_threads = threads > 0 ? threads : 1;
+    CountJob job = {counts};
+    for (int64_t l = 0; l < loops; l++) parallel(items, 1 + (l % 3), count_items, &job);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < items; i++) wrong += atomic_load(&counts[i]) != loops;
+    free(counts);
+    return wrong;
+}
