@@ -105,12 +105,23 @@ def test_request_timeout(random_ckpt):
 
 
 def test_keepalive_comments_during_long_waits(random_ckpt):
+    """One slot: the second stream waits for the first one's 120 tokens (far longer than the 10 ms
+    keep-alive interval, however fast the engine is) and gets keep-alive comments meanwhile."""
     with serve(random_ckpt, limits={"keepalive_s": 0.01}, settings={"max_seqs": 1}) as srv:
-        with httpx.stream("POST", srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=30, stream=True),
-                          timeout=60) as s:
-            lines = list(s.iter_lines())
-        assert any(ln == ": keep-alive" for ln in lines)
-        assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]" or "data: [DONE]" in lines
+        async def one(client, max_tokens):
+            body = dict(CHAT, max_tokens=max_tokens, stream=True, ignore_eos=True)
+            async with client.stream("POST", srv.base + "/v1/chat/completions", json=body) as s:
+                return [ln async for ln in s.aiter_lines()]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                first = asyncio.create_task(one(client, 120))
+                await asyncio.sleep(0.05)  # the first one holds the slot
+                return await asyncio.gather(first, one(client, 5))
+
+        first, waiting = asyncio.run(main())
+        assert any(ln == ": keep-alive" for ln in waiting)
+        assert "data: [DONE]" in first and "data: [DONE]" in waiting
 
 
 def test_graceful_shutdown_answers_waiting_clients(random_ckpt):
