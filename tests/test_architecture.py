@@ -15,8 +15,9 @@ PKG = Path(__file__).resolve().parent.parent / "ds4serve"
 LEAVES = {"config", "multimodal", "chat"}
 ALLOWED = {
     "config": set(), "multimodal": set(), "chat": set(),
-    "model": {"config"},
-    "cache": {"config", "model", "multimodal"},  # model/batch.py only (checked below); the image records
+    "native_build": {"config"},  # compiling the C parts (model/native.py, model/host_decode.py, cache/native_view.py)
+    "model": {"config", "native_build"},
+    "cache": {"config", "model", "multimodal", "native_build"},  # model/batch.py only (checked below); image records
     "engine": {"config", "cache", "model", "multimodal", "chat"},  # chat: grammar masks in the sampler
     "scheduler": {"config", "engine", "cache", "model", "multimodal"},
     "runtime": {"config", "scheduler", "engine", "cache", "model", "multimodal"},

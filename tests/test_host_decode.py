@@ -16,6 +16,7 @@ import torch
 
 from ds4serve.cache import SeqChunk
 from ds4serve.llm import LLM
+from ds4serve import native_build
 from ds4serve.model import host_decode, native
 from model_helpers import random_ids
 
@@ -166,7 +167,7 @@ def test_no_compiler_means_the_torch_path_logged_once(ckpt_factory, monkeypatch,
     _, path = ckpt_factory("C")
     monkeypatch.setattr(host_decode, "_lib", None)
     monkeypatch.setattr(host_decode, "_failure", None)
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(host_decode, "cache_root", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_decode"):
         a = LLM(path, max_seqs=2)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds4serve import native_build
 from ds4serve.model import mhc, native, rope
 
 
@@ -54,7 +55,7 @@ def test_kernels_are_skipped_where_they_do_not_apply():
 def test_no_compiler_means_the_torch_form_logged_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
     comb = torch.rand(2, 4, 4) + 0.1
     with caplog.at_level("WARNING", logger="ds4serve.model.native"):

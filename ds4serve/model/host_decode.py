@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import platform
 import threading
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_void_p
 from pathlib import Path
@@ -30,8 +29,8 @@ import torch
 from torch import nn
 
 from ..config import AttnKind, ModelConfig, cache_root
+from ..native_build import build_library, cpu_key
 from .batch import BatchView, LayerState
-from .native import build_library
 from .packed import PackedExperts
 
 log = logging.getLogger(__name__)
@@ -122,15 +121,6 @@ _lib: ctypes.CDLL | None = None
 _failure: str | None = None
 
 
-def _cpu_key() -> str:
-    """What ``-march=native`` tunes for: the CPU's model and feature flags (the cache may be shared)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-
-
 def library() -> ctypes.CDLL | None:
     """The built decode library, or ``None`` (the torch path is used) when it cannot be built here."""
     global _lib, _failure
@@ -143,7 +133,7 @@ def library() -> ctypes.CDLL | None:
                 try:
                     source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
                     path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + extra,
-                                         ["-lm"], key=_cpu_key())
+                                         ["-lm"], key=cpu_key())
                     _lib = _bind(ctypes.CDLL(str(path)))
                     if errors:
                         log.info("host decode kernels built without %s (%s)", " ".join(_ATTEMPTS[0]), errors[-1])

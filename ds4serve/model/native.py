@@ -16,18 +16,15 @@ compiler exists or the build fails, the torch form is used, and that is logged o
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from ..config import cache_root
+from ..native_build import build_library
 
 log = logging.getLogger(__name__)
 
@@ -110,28 +107,6 @@ enabled = True  # tests switch this off to compare against the torch form
 def _build(root: Path) -> Path:
     """Compile the source into ``root/<hash>/kernels.so`` unless it is already there."""
     return build_library(root, "kernels", _SOURCE, _FLAGS, _LIBS)
-
-
-def build_library(root: Path, name: str, source: str, flags: list[str], libs: list[str], key: str = "") -> Path:
-    """Compile C ``source`` into ``root/<hash>/<name>.so`` unless it is already there (``key``: anything
-    else the build depends on, e.g. the CPU it is tuned for). Raises ``RuntimeError`` when it cannot."""
-    digest = hashlib.sha256((source + " ".join(flags + libs) + key).encode()).hexdigest()[:16]
-    out = root / digest / f"{name}.so"
-    if out.exists():
-        return out
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
-        src.write_text(source)
-        done = subprocess.run([cc, *flags, "-o", str(built), str(src), *libs], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
-        os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
-    return out
 
 
 def library() -> ctypes.CDLL | None:

@@ -1,0 +1,49 @@
+"""Compiling the host's C kernels once, on first use: one helper for every native part.
+
+The native parts (``model/native.py``: Sinkhorn, RoPE, MXFP4; ``model/host_decode.py``: the host forward;
+``cache/native_view.py``: the index view) are C sources shipped in the package, compiled with the system
+C compiler into ``cache_root()/native/<hash>/`` and loaded with ctypes. The hash covers the source, the
+flags and anything else the build depends on (the CPU it is tuned for), so a cache shared between
+machines or versions never serves a wrong build. A leaf: it imports only ``config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def build_library(root: Path, name: str, source: str, flags: list[str], libs: list[str], key: str = "") -> Path:
+    """Compile C ``source`` into ``root/<hash>/<name>.so`` unless it is already there (``key``: anything
+    else the build depends on, e.g. the CPU it is tuned for). Raises ``RuntimeError`` when it cannot."""
+    digest = hashlib.sha256((source + " ".join(flags + libs) + key).encode()).hexdigest()[:16]
+    out = root / digest / f"{name}.so"
+    if out.exists():
+        return out
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        done = subprocess.run([cc, *flags, "-o", str(built), str(src), *libs], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(built, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+def cpu_key() -> str:
+    """What ``-march=native`` tunes for: the CPU's model and feature flags (the cache may be shared)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
