@@ -15,6 +15,11 @@ live decoders (with none a pass runs whole), so the work timed is the text strea
 requests, the streams long enough to outlast the image answers: both runs take the same steps and
 the difference is what slicing adds to them. The text streams are also timed alone, so the report
 says how much image work that difference falls on.
+
+Images are encoded as their requests are admitted, with the clocks stopped (wall and CPU time): the
+encoder worker runs beside the engine, and whether it finished before the streams did would otherwise
+decide whether an image pass met any decoder at all (with the native host forward the streams can end
+first). What is timed is the prefill of encoded images next to live streams, the same in every round.
 """
 
 from __future__ import annotations
@@ -93,18 +98,34 @@ class _Clock:
     token, and the image window (arrival of the images .. their last answer)."""
 
     def __init__(self, streams):
+        self.stopped = [0.0, 0.0]  # wall and CPU seconds spent with the clocks stopped
         self.stamps: dict[str, list[float]] = {r.request_id: [] for r in streams}
         self.arrival: dict[str, float] = {}
         self.first: dict[str, float] = {}
         self.window = [float("inf"), float("inf")]
 
-    def arrive(self, reqs) -> None:
-        self.window[0] = time.monotonic()
+    def now(self) -> float:
+        return time.monotonic() - self.stopped[0]
+
+    def cpu(self) -> float:
+        return time.process_time() - self.stopped[1]
+
+    def encode(self, core, reqs) -> None:
+        """Wait, clocks stopped, until every admitted request's images are encoded."""
+        wall, cpu = time.monotonic(), time.process_time()
         for r in reqs:
-            self.arrival[r.request_id] = time.monotonic()
+            if r.images_submitted and not core.encoder.wait(r.request_id, 120):
+                raise RuntimeError(f"{r.request_id}: images not encoded in 120 s")
+        self.stopped[0] += time.monotonic() - wall
+        self.stopped[1] += time.process_time() - cpu
+
+    def arrive(self, reqs) -> None:
+        self.window[0] = self.now()
+        for r in reqs:
+            self.arrival[r.request_id] = self.now()
 
     def saw(self, outs, reqs) -> None:
-        now = time.monotonic()
+        now = self.now()
         for o in outs:
             if o.new_token_ids and o.request_id in self.stamps:
                 self.stamps[o.request_id].append(now)
@@ -133,7 +154,8 @@ def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[
     streams = [core.make_request(t, SamplingParams(max_tokens=text_tokens, **greedy)) for t in texts]
     for r in streams:
         core.add(r)
-    clock, reqs, step, t0, cpu0 = _Clock(streams), [], 0, time.monotonic(), time.process_time()
+    clock, reqs, step = _Clock(streams), [], 0
+    t0, cpu0 = clock.now(), clock.cpu()
     with watch_image_passes(core) as slices:
         while core.has_work or (images and not reqs):
             if step == arrive_at and images:
@@ -142,9 +164,10 @@ def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[
                 clock.arrive(reqs)
                 for r in reqs:
                     core.add(r)
+            clock.encode(core, reqs)
             clock.saw(core.step(), reqs)
             step += 1
-    total, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    total, cpu = clock.now() - t0, clock.cpu() - cpu0
     gaps, pauses = clock.gaps()
     return TrafficRun(gaps=gaps, pauses=pauses, total_s=total, cpu_s=cpu,
                       image_ttft_s=[clock.first.get(r.request_id, float("nan")) for r in reqs],
