@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from .config import set_openmp_defaults
 
-# OpenMP threads (torch's intra-op pool) spin for ~300,000 iterations after every parallel region by
-# default. On a CPU the native host forward runs each step on its own thread pool right after torch's
-# small per-step ops (sampling over [rows, vocab]), so spinning OpenMP threads took the same cores from
-# it: a 16-stream decode step on 2 cores took 11.6 ms instead of 7.6. A short spin keeps torch's own
-# forward as fast as before (its ops follow each other closely). Read by libgomp when torch loads, so
-# it only takes effect when ds4serve is imported before torch; a value the user set is kept.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+set_openmp_defaults()  # before anything here imports torch
 
 __version__ = "0.1.0"
 
