@@ -84,6 +84,13 @@ MUTANTS = [
            "ds4serve/model/csrc/host_pool.c",
            "    for (int spins = 0; atomic_load(&p->done) < chunks; spins++) {",
            "    for (int spins = 0; 0; spins++) {", ("tests/test_host_decode.py",)),
+    Mutant("n6", "native MXFP4 experts: nibbles read high first", "ds4serve/model/csrc/host_packed.c",
+           "        vi lo = b & 15, hi = b >> 4;", "        vi hi = b & 15, lo = b >> 4;", ("tests/test_host_packed.py",)),
+    Mutant("n7", "native MXFP4 experts: inputs not reordered to the decode's order", "ds4serve/model/csrc/host_packed.c",
+           "            memcpy(blk, t, sizeof t);", "            (void)t;", ("tests/test_host_packed.py",)),
+    Mutant("n8", "native MXFP4 experts: the second part (up) read from the first (gate)",
+           "ds4serve/model/csrc/host_packed.c", "    int p = n >= q->rows[0];", "    int p = 0;",
+           ("tests/test_host_packed.py",)),
 ]
 
 

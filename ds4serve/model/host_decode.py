@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # one translation unit, in this order (see host_base.c)
 _SOURCES = tuple(Path(__file__).with_name("csrc") / f"host_{part}.c"
-                 for part in ("base", "pool", "kernels", "layers", "forward"))
+                 for part in ("base", "pool", "kernels", "packed", "layers", "forward"))
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
 _ATTEMPTS = (["-march=native"], [])  # tuned for this CPU where the compiler can (the build is cached per CPU)
 MAX_EXPERTS = 512  # fixed buffers in the C code
@@ -70,7 +70,9 @@ class _Layer(ctypes.Structure):
                 + _fields(_Weight, "i_kv", "i_gate", "i_q_b", "i_w") + _fields(c_void_p, "i_ape", "i_norm")
                 + _fields(_Weight, "gate") + _fields(c_void_p, "gate_bias", "bias_vl", "tid2eid")
                 + _fields(c_int64, "tid2eid_rows")
-                + _fields(c_void_p, "exp_gate_up", "exp_down") + [("exp_kn", c_int64)]
+                + _fields(c_void_p, "exp_gate_up", "exp_down") + _fields(c_int64, "exp_kn", "exp_packed")
+                + [("qgu_codes", c_void_p * 2), ("qgu_scales", c_void_p * 2)] + _fields(c_void_p, "qdn_codes", "qdn_scales")
+                + [("qgu_rows", c_int64 * 2), ("qgu_parts", c_int64)]
                 + _fields(_Weight, "sh_gate", "sh_up", "sh_down")
                 + _fields(c_int64, "has_shared") + _fields(c_void_p, "swa", "comp_ring", "comp_pool", "idx_ring",
                                                            "idx_pool")
@@ -173,10 +175,27 @@ def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState]) ->
     if any(ly.self_attn.reduce is not None or ly.mlp.reduce is not None or ly.mlp.expert_range is not None
            for ly in layers):
         return "tensor / expert parallel"
-    if any(isinstance(ly.mlp.experts.gate_up_proj, PackedExperts) for ly in layers):
-        return "packed experts"
+    for ly in layers:
+        why = _packed_unsupported(ly.mlp.experts.gate_up_proj, 2) or _packed_unsupported(ly.mlp.experts.down_proj, 1)
+        if why:
+            return why
     if cfg.n_routed_experts > MAX_EXPERTS or cfg.hc_mult > MAX_HC or 2 * max(cfg.compress_ratios) > MAX_SPAN:
         return f"more than {MAX_EXPERTS} experts, {MAX_HC} hyper-connection streams or a compress span over {MAX_SPAN}"
+    return None
+
+
+def _packed_unsupported(stack, max_parts: int) -> str | None:
+    """Why the native forward cannot read this packed expert stack as it is (None: it can, or the stack
+    is not packed): it reads MXFP4 with byte scales, one per 32 inputs, on the host (host_packed.c)."""
+    if not isinstance(stack, PackedExperts):
+        return None
+    k = 2 * stack.parts[0].codes.shape[-1]
+    if stack.fmt != "mxfp4":
+        return f"packed {stack.fmt} experts (the native forward reads MXFP4)"
+    if len(stack.parts) > max_parts or k % 32 or any(
+            p.codes.dtype != torch.uint8 or p.scales.dtype != torch.uint8 or p.scales.shape[-1] * 32 != k
+            or not (p.codes.is_contiguous() and p.scales.is_contiguous()) for p in stack.parts):
+        return "packed experts in a layout the native forward does not read (MXFP4, a byte scale per 32 inputs)"
     return None
 
 
@@ -379,6 +398,24 @@ class HostDecoder:
         else:
             out.gate_bias = self._ptr(f.gate.e_score_correction_bias)
         gate_up, down = f.experts.gate_up_proj, f.experts.down_proj
+        if isinstance(gate_up, PackedExperts):
+            self._packed(out, gate_up, down)
+        else:
+            self._dense_experts(out, gate_up, down)
+        if f.shared_experts is not None:
+            s = f.shared_experts
+            out.sh_gate, out.sh_up, out.sh_down = self._weight(s.gate_proj.weight), self._weight(s.up_proj.weight), \
+                self._weight(s.down_proj.weight)
+
+    def _packed(self, out: _Layer, gate_up: PackedExperts, down: PackedExperts) -> None:
+        """MXFP4 stacks read where they are (codes and scales as loaded; nothing is copied)."""
+        out.exp_packed, out.qgu_parts = 1, len(gate_up.parts)
+        for i, p in enumerate(gate_up.parts):
+            out.qgu_codes[i], out.qgu_scales[i] = self._ptr(p.codes), self._ptr(p.scales)
+            out.qgu_rows[i] = p.codes.shape[1]
+        out.qdn_codes, out.qdn_scales = self._ptr(down.parts[0].codes), self._ptr(down.parts[0].scales)
+
+    def _dense_experts(self, out: _Layer, gate_up: torch.nn.Parameter, down: torch.nn.Parameter) -> None:
         # per expert [in, out] (in place: the parameters become transposed views, which torch's grouped
         # products take as they are) when both outputs are whole vectors, else as the checkpoint has them
         out.exp_kn = int(gate_up.shape[1] % self.vw == 0 and down.shape[1] % self.vw == 0)
@@ -390,10 +427,6 @@ class HostDecoder:
                 p.data = p.data.contiguous()
             self._keep.append(p.data)
         out.exp_gate_up, out.exp_down = gate_up.data.data_ptr(), down.data.data_ptr()
-        if f.shared_experts is not None:
-            s = f.shared_experts
-            out.sh_gate, out.sh_up, out.sh_down = self._weight(s.gate_proj.weight), self._weight(s.up_proj.weight), \
-                self._weight(s.down_proj.weight)
 
     @staticmethod
     def _dims(cfg: ModelConfig) -> _Dims:

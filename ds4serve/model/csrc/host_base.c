@@ -13,7 +13,8 @@
    logits within 1e-4; sums are ordered differently, so not bit for bit).
 
    One translation unit, concatenated by host_decode.py in this order: host_base.c (types, descriptors,
-   arena), host_pool.c, host_kernels.c (products, norms, RoPE, mHC), host_layers.c (compressor,
+   arena), host_pool.c, host_kernels.c (products, norms, RoPE, mHC), host_packed.c (products over MXFP4
+   experts), host_layers.c (compressor,
    attention, experts), host_forward.c (the step and the entry points). Every formula names the Python
    function it mirrors. Nothing is allocated per step: scratch comes from a caller-owned arena that grows
    to the largest step seen. */
@@ -72,6 +73,9 @@ typedef struct {
     int64_t tid2eid_rows;
     const float *exp_gate_up, *exp_down;  /* [E, 2I, D], [E, D, I]; with exp_kn stored [E, D, 2I], [E, I, D] */
     int64_t exp_kn;
+    int64_t exp_packed;                   /* experts kept in MXFP4: read from these instead (host_packed.c) */
+    const uint8_t *qgu_codes[2], *qgu_scales[2], *qdn_codes, *qdn_scales;
+    int64_t qgu_rows[2], qgu_parts;
     Weight sh_gate, sh_up, sh_down;
     int64_t has_shared;
     float *swa, *comp_ring, *comp_pool, *idx_ring, *idx_pool;

@@ -381,16 +381,10 @@ static void route(const Model *m, const Layer *L, const float *xn, const int64_t
     }
 }
 
-static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, float *out, MoeScratch *s) {
+/* each expert's pairs (rows xs, sorted by expert) through its gate/up, SwiGLU and down products */
+static void grouped_experts(const Model *m, const Layer *L, MoeScratch *s) {
     const Dims *d = &m->d;
-    int64_t E = d->n_experts, k = d->top_k, D = d->hidden, I = d->moe_inter, P = T * k;
-    memset(s->counts, 0, (size_t)(E + 1) * 8);
-    for (int64_t p = 0; p < P; p++) s->counts[s->idx[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) s->counts[e + 1] += s->counts[e];  /* start of each expert's pairs */
-    int64_t fill[1024];
-    for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
-    for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
-    for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);
+    int64_t E = d->n_experts, D = d->hidden, I = d->moe_inter;
     for (int64_t e = 0; e < E; e++) {
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         if (!n) continue;
@@ -403,6 +397,44 @@ static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, 
             for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
         }
         linear(s->h + a * 2 * I, 2 * I, n, I, dn, D, s->ys + a * D, D);
+    }
+}
+
+/* the same over MXFP4 stacks: the inputs reordered once per product to the decode's order */
+static void packed_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t E = d->n_experts, D = d->hidden, I = d->moe_inter;
+    QStack gu = {{L->qgu_codes[0], L->qgu_codes[1]}, {L->qgu_scales[0], L->qgu_scales[1]},
+                 {L->qgu_rows[0], L->qgu_rows[1]}, L->qgu_parts, D},
+           dn = {{L->qdn_codes, NULL}, {L->qdn_scales, NULL}, {D, 0}, 1, I};
+    qperm_rows(s->xs, P, D, D);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t a = s->counts[e], n = s->counts[e + 1] - a;
+        if (!n) continue;
+        q_linear(s->xs + a * D, D, n, &gu, e, 2 * I, s->h + a * 2 * I, 2 * I);
+        for (int64_t i = a; i < a + n; i++) {
+            float *h = s->h + i * 2 * I;
+            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
+        }
+        qperm_rows(s->h + a * 2 * I, n, I, 2 * I);
+        q_linear(s->h + a * 2 * I, 2 * I, n, &dn, e, D, s->ys + a * D, D);
+    }
+}
+
+static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, float *out, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t E = d->n_experts, k = d->top_k, D = d->hidden, P = T * k;
+    memset(s->counts, 0, (size_t)(E + 1) * 8);
+    for (int64_t p = 0; p < P; p++) s->counts[s->idx[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) s->counts[e + 1] += s->counts[e];  /* start of each expert's pairs */
+    int64_t fill[1024];
+    for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
+    for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
+    for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);
+    if (L->exp_packed) {
+        packed_experts(m, L, P, s);
+    } else {
+        grouped_experts(m, L, s);
     }
     memset(out, 0, (size_t)(T * D) * 4);
     for (int64_t i = 0; i < P; i++) axpy(out + (s->order[i] / k) * D, s->weights[s->order[i]], s->ys + i * D, D);
