@@ -107,14 +107,47 @@ typedef struct {
     int64_t ldy;
 } QJob;
 
+/* the nr output rows n0.. of expert e decoded whole into w [nr, K] (in the decode's input order) */
+static void q_decode_rows(const QStack *q, int64_t e, int64_t n0, int nr, float *w) {
+    for (int j = 0; j < nr; j++) {
+        const uint8_t *c, *s;
+        qrow(q, e, n0 + j, &c, &s);
+        for (int64_t b = 0; b < q->K / 32; b++) {
+            vf v[32 / VW];
+            qdecode(c + b * 16, e8m0[s[b]], v);
+            memcpy(w + j * q->K + b * 32, v, sizeof v);
+        }
+    }
+}
+
+static __thread float *q_panel;  /* a pool thread's decoded rows (grown as needed, kept for the next step) */
+static __thread int64_t q_panel_floats;
+
+/* Few rows decode each block in registers as they go; more rows (prefill) decode the four output rows
+   once into a panel and run the dense [N, K] tiles over it, which add in the same order (k vectors in
+   sequence per lane, then the lane sum), so a row's result is the same bits either way. */
 static void q_blocks(void *c, int64_t lo, int64_t hi) {
     const QJob *j = (const QJob *)c;
+    int64_t K = j->q->K;
+    float *panel = NULL;
+    if (j->M > 4) {
+        if (q_panel_floats < 4 * K) {
+            float *grown = realloc(q_panel, (size_t)(4 * K) * 4);
+            if (grown) q_panel = grown, q_panel_floats = 4 * K;
+        }
+        panel = q_panel_floats >= 4 * K ? q_panel : NULL;  /* out of memory: decode as we go */
+    }
     for (int64_t b = lo; b < hi; b++) {
         int64_t n0 = b * 4;
         int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
-            q_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->q, j->e, n0, nr,
-                   j->y + m0 * j->ldy + n0, j->ldy);
+        if (panel) q_decode_rows(j->q, j->e, n0, nr, panel);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            int mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
+            if (panel)
+                nk_tile(j->x + m0 * j->ldx, j->ldx, mr, K, panel, K, nr, j->y + m0 * j->ldy + n0, j->ldy);
+            else
+                q_tile(j->x + m0 * j->ldx, j->ldx, mr, j->q, j->e, n0, nr, j->y + m0 * j->ldy + n0, j->ldy);
+        }
     }
 }
 
