@@ -48,9 +48,10 @@ def _stacks(llm: LLM) -> dict[str, object]:
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_packed_experts_equal_dequantise_at_load(ckpt_factory, tmp_path, fmt):
     d = _checkpoint(ckpt_factory, tmp_path, fmt)
-    # both on the torch path: packed experts have no native forward yet, and the native one stores the
-    # dequantised experts [in, out], which torch's grouped products add in another order
-    loaded, packed = LLM(d, max_seqs=4, host_kernels="off"), LLM(d, max_seqs=4, packed_experts=True)
+    # both on the torch path (bit for bit): the native forward adds in its own order, and is pinned to the
+    # torch path over the same packed stacks in test_host_packed.py
+    loaded = LLM(d, max_seqs=4, host_kernels="off")
+    packed = LLM(d, max_seqs=4, packed_experts=True, host_kernels="off")
     full, kept = _stacks(loaded), _stacks(packed)
     for name, stack in kept.items():
         assert isinstance(stack, PackedExperts), name
@@ -87,8 +88,8 @@ def test_packed_experts_in_bounded_groups_match_within_rounding(ckpt_factory, tm
     from ds4serve.model import moe
 
     d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
-    # both on the torch path: packed experts have no native forward yet, and the native one stores the
-    # dequantised experts [in, out], which torch's grouped products add in another order
+    # both on the torch path (bit for bit): the native forward adds in its own order, and is pinned to the
+    # torch path over the same packed stacks in test_host_packed.py
     loaded, packed = LLM(d, max_seqs=4, host_kernels="off"), LLM(d, max_seqs=4, packed_experts=True)
     taken = []
     stack = _stacks(packed)["2.gate_up_proj"]

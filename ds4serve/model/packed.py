@@ -10,9 +10,10 @@ Nothing dequantised outlives the call that made it.
 A stack may be several parts concatenated along the rows (gate and up are separate checkpoint tensors,
 and an FP8 block can straddle their boundary, so each keeps its own scales).
 
-This is the host (torch) form; on CUDA the MoE takes ``triton_experts``' GEMMs instead, which decode
-tiles in registers and never write a dequantised expert (checked under Triton's interpreter; not yet
-run on a GPU).
+This is the host (torch) form. On a CPU the native forward reads MXFP4 stacks in place instead
+(``csrc/host_packed.c``, blocks decoded in registers); on CUDA the MoE takes ``triton_experts``' GEMMs,
+which decode tiles in registers and never write a dequantised expert (checked under Triton's
+interpreter; not yet run on a GPU).
 """
 
 from __future__ import annotations
