@@ -4,17 +4,22 @@ The native parts (``model/native.py``: Sinkhorn, RoPE, MXFP4; ``model/host_decod
 ``cache/native_view.py``: the index view) are C sources shipped in the package, compiled with the system
 C compiler into ``cache_root()/native/<hash>/`` and loaded with ctypes. The hash covers the source, the
 flags and anything else the build depends on (the CPU it is tuned for), so a cache shared between
-machines or versions never serves a wrong build. A leaf: it imports only ``config``.
+machines or versions never serves a wrong build. ``OnceLibrary`` loads each part once per process and
+remembers (and logs once) why it could not. A leaf: it imports nothing of the package.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -47,3 +52,33 @@ def cpu_key() -> str:
         return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
     except OSError:
         return f"{platform.machine()} {platform.processor()}"
+
+
+class OnceLibrary:
+    """A native library loaded on first use, once per process; a failure is remembered and logged once.
+
+    ``load`` builds and binds the library (raising ``OSError`` or ``RuntimeError`` when it cannot);
+    ``unavailable`` is the warning logged then, with ``%s`` for the reason. Callers fall back to their
+    torch forms whenever ``get()`` is ``None``."""
+
+    def __init__(self, load: Callable[[], ctypes.CDLL], logger: logging.Logger, unavailable: str):
+        self._load, self._log, self._unavailable = load, logger, unavailable
+        self._lock = threading.Lock()
+        self.lib: ctypes.CDLL | None = None
+        self.failure: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.lib is not None or self.failure is not None:
+            return self.lib
+        with self._lock:
+            if self.lib is None and self.failure is None:
+                try:
+                    self.lib = self._load()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    self.failure = f"{type(exc).__name__}: {exc}"
+                    self._log.warning(self._unavailable, self.failure)
+        return self.lib
+
+    def fresh(self) -> OnceLibrary:
+        """A new one with the same loader that has not tried yet (tests swap it in, then back)."""
+        return OnceLibrary(self._load, self._log, self._unavailable)

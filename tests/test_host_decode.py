@@ -165,8 +165,7 @@ def test_where_it_does_not_apply_the_torch_path_runs(ckpt_factory, caplog):
 
 def test_no_compiler_means_the_torch_path_logged_once(ckpt_factory, monkeypatch, tmp_path, caplog):
     _, path = ckpt_factory("C")
-    monkeypatch.setattr(host_decode, "_lib", None)
-    monkeypatch.setattr(host_decode, "_failure", None)
+    monkeypatch.setattr(host_decode, "_library", host_decode._library.fresh())
     monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(host_decode, "cache_root", lambda: tmp_path)
     with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_decode"):

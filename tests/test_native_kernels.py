@@ -22,7 +22,7 @@ def _torch_form(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _built():
     if native.library() is None:
-        pytest.skip(f"no native kernels here: {native._failure}")
+        pytest.skip(f"no native kernels here: {native._library.failure}")
 
 
 @settings(max_examples=40, deadline=None)
@@ -53,8 +53,7 @@ def test_kernels_are_skipped_where_they_do_not_apply():
 
 
 def test_no_compiler_means_the_torch_form_logged_once(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_library", native._library.fresh())
     monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
     comb = torch.rand(2, 4, 4) + 0.1

@@ -19,7 +19,7 @@ N_SLOTS, N_PAGES = 8, 64
 @pytest.fixture(autouse=True)
 def _built():
     if native_view.library() is None:
-        pytest.skip(f"no native view builder here: {native_view._failure}")
+        pytest.skip(f"no native view builder here: {native_view._library.failure}")
 
 
 @st.composite

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Sequence
 from ctypes import POINTER, c_int, c_int64, c_void_p
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 from ..config import cache_root
 from ..model.batch import BatchView, CompressIndex, VisibleRows
-from ..native_build import build_library
+from ..native_build import OnceLibrary, build_library
 from .layout import StateLayout
 
 log = logging.getLogger(__name__)
@@ -43,28 +42,20 @@ class _Out(ctypes.Structure):
                 + [("Kw", c_int64), ("R", c_int64 * MAX_GEOMETRIES)])
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failure: str | None = None
+def _load() -> ctypes.CDLL:
+    path = build_library(cache_root() / "native", "view", _SOURCE.read_text(), ["-O2", "-fPIC", "-shared"], [])
+    lib = ctypes.CDLL(str(path))
+    lib.ds4_text_view.argtypes = [POINTER(_In), POINTER(_Out)]
+    lib.ds4_text_view.restype = c_int
+    return lib
+
+
+_library = OnceLibrary(_load, log, "native view builder unavailable (%s); views are built with torch ops")
 
 
 def library() -> ctypes.CDLL | None:
     """The built view library, or ``None`` (``build_view`` is used) when it cannot be built here."""
-    global _lib, _failure
-    if _lib is not None or _failure is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failure is None:
-            try:
-                path = build_library(cache_root() / "native", "view", _SOURCE.read_text(), ["-O2", "-fPIC", "-shared"], [])
-                lib = ctypes.CDLL(str(path))
-                lib.ds4_text_view.argtypes = [POINTER(_In), POINTER(_Out)]
-                lib.ds4_text_view.restype = c_int
-                _lib = lib
-            except (OSError, RuntimeError) as exc:
-                _failure = f"{type(exc).__name__}: {exc}"
-                log.warning("native view builder unavailable (%s); views are built with torch ops", _failure)
-    return _lib
+    return _library.get()
 
 
 def plain_text(chunks: Sequence, device: torch.device) -> bool:

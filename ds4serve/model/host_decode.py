@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from ..config import AttnKind, ModelConfig, cache_root
-from ..native_build import build_library, cpu_key
+from ..native_build import OnceLibrary, build_library, cpu_key
 from .batch import BatchView, LayerState
 from .packed import PackedExperts
 
@@ -119,34 +118,30 @@ class _Arena(ctypes.Structure):
 
 # ---- building and loading the library ----------------------------------------------------------
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failure: str | None = None
+def _load() -> ctypes.CDLL:
+    """Built for this CPU where the compiler can, else with the base flags (each attempt's error kept)."""
+    errors = []
+    for extra in _ATTEMPTS:
+        try:
+            source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
+            path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + extra, ["-lm"],
+                                 key=cpu_key())
+            lib = _bind(ctypes.CDLL(str(path)))
+        except (OSError, RuntimeError) as exc:
+            errors.append(f"{' '.join(extra) or 'plain'}: {exc}")
+            continue
+        if errors:
+            log.info("host decode kernels built without %s (%s)", " ".join(_ATTEMPTS[0]), errors[-1])
+        return lib
+    raise RuntimeError("; ".join(errors))
+
+
+_library = OnceLibrary(_load, log, "host decode kernels unavailable (%s); decode runs on the torch path")
 
 
 def library() -> ctypes.CDLL | None:
     """The built decode library, or ``None`` (the torch path is used) when it cannot be built here."""
-    global _lib, _failure
-    if _lib is not None or _failure is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failure is None:
-            errors = []
-            for extra in _ATTEMPTS:
-                try:
-                    source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
-                    path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + extra,
-                                         ["-lm"], key=cpu_key())
-                    _lib = _bind(ctypes.CDLL(str(path)))
-                    if errors:
-                        log.info("host decode kernels built without %s (%s)", " ".join(_ATTEMPTS[0]), errors[-1])
-                    break
-                except (OSError, RuntimeError) as exc:
-                    errors.append(f"{' '.join(extra) or 'plain'}: {exc}")
-            else:
-                _failure = "; ".join(errors)
-                log.warning("host decode kernels unavailable (%s); decode runs on the torch path", _failure)
-    return _lib
+    return _library.get()
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -232,7 +227,7 @@ class HostDecoder:
             return None, why
         lib = library()
         if lib is None:
-            return None, f"the kernels could not be built ({_failure})"
+            return None, f"the kernels could not be built ({_library.failure})"
         return cls(cfg, model, states, lib), ""
 
     def close(self) -> None:

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from ..config import cache_root
-from ..native_build import build_library
+from ..native_build import OnceLibrary, build_library
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +96,6 @@ void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, floa
 _FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _LIBS = ["-lm"]
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failure: str | None = None
 enabled = True  # tests switch this off to compare against the torch form
 
 
@@ -109,28 +104,24 @@ def _build(root: Path) -> Path:
     return build_library(root, "kernels", _SOURCE, _FLAGS, _LIBS)
 
 
+def _load() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_build(cache_root() / "native")))
+    lib.ds4_sinkhorn_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float]
+    lib.ds4_sinkhorn_f32.restype = None
+    lib.ds4_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
+    lib.ds4_rope_f32.restype = None
+    lib.ds4_mxfp4_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+    lib.ds4_mxfp4_f32.restype = None
+    return lib
+
+
+_library = OnceLibrary(_load, log, "native host kernels unavailable (%s); using the torch forms (same results, "
+                                   "slower CPU decode)")
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or ``None`` (torch forms are used) when they cannot be built here."""
-    global _lib, _failure
-    if _lib is not None or _failure is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _failure is None:
-            try:
-                lib = ctypes.CDLL(str(_build(cache_root() / "native")))
-                lib.ds4_sinkhorn_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                                 ctypes.c_float]
-                lib.ds4_sinkhorn_f32.restype = None
-                lib.ds4_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_long] * 4 + [ctypes.c_int]
-                lib.ds4_rope_f32.restype = None
-                lib.ds4_mxfp4_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
-                lib.ds4_mxfp4_f32.restype = None
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failure = f"{type(exc).__name__}: {exc}"
-                log.warning("native host kernels unavailable (%s); using the torch forms (same results, slower "
-                            "CPU decode)", _failure)
-    return _lib
+    return _library.get()
 
 
 def _applies(t: torch.Tensor) -> bool:
