@@ -69,6 +69,11 @@ async def race(events: AsyncIterator[E], gone: Callable[[], Awaitable[object]] |
             yield event
     finally:
         for fut in (next_event, watch):
-            if fut is not None and not fut.done():
+            if fut is None:
+                continue
+            if not fut.done():
                 fut.cancel()
                 await asyncio.gather(fut, return_exceptions=True)
+            elif not fut.cancelled():
+                fut.exception()  # a finished loser (e.g. the stream's end beside the disconnect): retrieved, so
+                # asyncio does not log "Task exception was never retrieved" for it
