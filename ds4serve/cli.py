@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import HOST_KERNEL_MODES, EngineSettings
+from .config import HOST_KERNEL_MODES, PACKED_MODES, EngineSettings
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
 
@@ -151,10 +151,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_settings_flags(serve, EngineSettings, _ENGINE_FLAGS)
     _add_settings_flags(serve, ServerLimits, _SERVER_FLAGS)
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
-    serve.add_argument("--packed-experts", action="store_true",
-                       help="keep MXFP4 / FP8 routed experts packed in memory and dequantise only the experts a "
-                            "step uses (~13%% of the expert bytes for MXFP4; on CPU decode ~1.2-1.35x slower; on CUDA Triton "
-                            "GEMMs decode tiles in registers, not yet run on a GPU)")
+    serve.add_argument("--packed-experts", nargs="?", const="on", default="auto", choices=PACKED_MODES,
+                       help="keep MXFP4 / FP8 routed experts packed in memory (~13%% of the expert bytes for MXFP4): "
+                            "on a CPU the native forward decodes their blocks in registers (decode as fast as "
+                            "dequantised experts, prefill ~1.13x slower); on CUDA Triton GEMMs do (not yet run on "
+                            "a GPU). auto (the default): packed only when dequantised experts would not fit and "
+                            "packed ones do; the flag alone means on")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads of torch and of the native host forward (default: torch's choice, "
                             "usually one per core)")

@@ -19,7 +19,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default min(model, 8192))")
     plan.add_argument("--dtype", default="bfloat16", help="weights and state dtype (default bfloat16)")
     plan.add_argument("--max-prefill-tokens", type=int, default=1024, help="as serve's flag (sizes staging)")
-    plan.add_argument("--packed-experts", action="store_true", help="as serve's flag: routed experts kept packed")
+    plan.add_argument("--packed-experts", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                      help="as serve's flag: routed experts kept packed (auto: only when dequantised ones would not "
+                           "fit and packed ones do)")
     plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as serve's flag: the plan per rank")
     plan.add_argument("--enable-expert-parallel", action="store_true", help="as serve's flag: whole experts per rank")
 
@@ -40,16 +42,25 @@ def run_inspect(args) -> int:
 def _plan(args) -> int:
     from .config import ConfigError, ModelConfig, parse_budget
     from .model import parse_dtype
-    from .runtime.capacity import plan_capacity, render_plan
+    import torch
+
+    from .runtime.capacity import choose_packed_experts, plan_capacity, render_plan
 
     memory = parse_budget(args.memory)
     if memory is None or memory[0] != "bytes":
         raise ConfigError(f"--gpu-memory {args.memory!r}: give a size, e.g. 141GiB")
-    cfg = ModelConfig.from_file(args.model)
-    plan = plan_capacity(cfg, parse_dtype(args.dtype), memory[1], args.max_model_len, args.max_prefill_tokens,
-                         packed_experts=args.packed_experts, tensor_parallel=args.tensor_parallel_size,
+    cfg, dtype = ModelConfig.from_file(args.model), parse_dtype(args.dtype)
+    # the device is not here: both a CPU (native forward) and CUDA (Triton) run packed experts, so "auto"
+    # decides on fit alone (the host device stands for "packed kernels present")
+    packed, why = choose_packed_experts(args.packed_experts, cfg, dtype, torch.device("cpu"), args.max_model_len,
+                                        args.max_prefill_tokens, args.tensor_parallel_size,
+                                        args.enable_expert_parallel, memory=memory[1])
+    plan = plan_capacity(cfg, dtype, memory[1], args.max_model_len, args.max_prefill_tokens,
+                         packed_experts=packed, tensor_parallel=args.tensor_parallel_size,
                          expert_parallel=args.enable_expert_parallel)
     print(render_plan(plan))
+    print(f"routed experts {'kept packed' if packed else 'dequantised at load'} (--packed-experts "
+          f"{args.packed_experts}): {why}")
     return 0 if plan.fits else 3
 
 

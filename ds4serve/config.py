@@ -458,6 +458,7 @@ def parse_budget(value: str | int | None) -> tuple[str, int] | None:
 
 
 HOST_KERNEL_MODES = ("auto", "on", "off")
+PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
 
 
 @dataclass(frozen=True)

@@ -99,3 +99,56 @@ def test_cli_plan_exit_codes(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--model", str(BUNDLED), "--gpu-memory", "lots"]) == 2
     assert "'lots'" in capsys.readouterr().err
+    # 400 GiB: dequantised Flash experts (516 GiB) do not fit, packed ones (137 GiB) do: auto packs
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "400GiB", "--max-model-len", "65536"]) == 0
+    assert "routed experts kept packed (--packed-experts auto)" in capsys.readouterr().out
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "400GiB", "--max-model-len", "65536",
+                 "--packed-experts", "off"]) == 3
+
+
+# ---- serve --packed-experts auto: pack only where that turns a refusal into a server ------------------
+def test_auto_packs_only_when_the_dequantised_experts_do_not_fit_and_packed_ones_do():
+    cpu, cfg = torch.device("cpu"), _flash()
+    packed, why = capacity.choose_packed_experts("auto", cfg, torch.bfloat16, cpu, 8192, memory=400 * GiB)
+    assert packed and "kept packed (fp4" in why and "516.00 GiB" in why  # 516 GiB dequantised > 400 GiB
+    assert plan_capacity(cfg, torch.bfloat16, 400 * GiB, 8192, packed_experts=True).fits
+    assert capacity.choose_packed_experts("auto", cfg, torch.bfloat16, cpu, 8192, memory=2048 * GiB) == \
+        (False, "the dequantised experts fit")
+    packed, why = capacity.choose_packed_experts("auto", cfg, torch.bfloat16, cpu, 8192, memory=64 * GiB)
+    assert not packed and "either" in why  # neither fits: check_fits then refuses with the whole plan
+
+
+def test_auto_keeps_unpacked_formats_and_devices_without_packed_kernels_dequantised(monkeypatch):
+    from ds4serve.model import triton_experts
+
+    plain = ModelConfig.from_dict(FLASH_OFFICIAL)  # no expert format: the experts load as stored
+    packed, why = capacity.choose_packed_experts("auto", plain, torch.bfloat16, torch.device("cpu"), 8192,
+                                                 memory=400 * GiB)
+    assert not packed and "not in a packed format (None)" in why
+    monkeypatch.setattr(triton_experts, "available", lambda device: False)
+    packed, why = capacity.choose_packed_experts("auto", _flash(), torch.bfloat16, torch.device("cuda"), 8192,
+                                                 memory=400 * GiB)
+    assert not packed and "need Triton" in why
+    monkeypatch.setattr(triton_experts, "available", lambda device: True)
+    assert capacity.choose_packed_experts("auto", _flash(), torch.bfloat16, torch.device("cuda"), 8192,
+                                          memory=400 * GiB)[0]
+
+
+@pytest.mark.parametrize("mode, expected", [("on", True), ("off", False), (True, True), (False, False)])
+def test_explicit_packed_modes_decide_alone(mode, expected):
+    cfg = ModelConfig.from_file(BUNDLED)
+    assert capacity.choose_packed_experts(mode, cfg, torch.float32, torch.device("cpu"), 2048, memory=1)[0] == expected
+
+
+def test_unknown_packed_mode_is_refused():
+    with pytest.raises(ConfigError, match="auto, on, off"):
+        capacity.choose_packed_experts("yes", ModelConfig.from_file(BUNDLED), torch.float32, torch.device("cpu"), 2048)
+
+
+def test_serve_flag_alone_means_on_and_its_default_is_auto():
+    from ds4serve.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).packed_experts == "auto"
+    assert parse(["serve", "--packed-experts"]).packed_experts == "on"
+    assert parse(["serve", "--packed-experts", "off"]).packed_experts == "off"

@@ -113,3 +113,37 @@ def test_packed_experts_on_an_empty_batch_give_an_empty_result(ckpt_factory, tmp
     out = run_experts(x, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2), stack["1.gate_up_proj"],
                       stack["1.down_proj"], 10.0)
     assert out.shape == x.shape
+
+
+def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_path, monkeypatch, caplog):
+    """``load_core`` (the server's way in) with the default ``auto``: on a device whose memory holds the
+    packed model and one sequence but not the dequantised experts, the experts stay packed and the
+    log says why; with room for both they are dequantised (the faster prefill)."""
+    from ds4serve.config import EngineSettings, ModelConfig
+    from ds4serve.runtime import capacity
+    from ds4serve.runtime.core import load_core
+
+    d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
+    cfg, settings = ModelConfig.from_file(d), EngineSettings(max_seqs=1, max_model_len=256)
+
+    def plan(packed: bool, memory: int = 1 << 40):
+        return capacity.plan_capacity(cfg, torch.float32, memory, 256, settings.max_prefill_tokens,
+                                      packed_experts=packed, advise=False)
+
+    need = plan(True).weights.total + plan(True).activations + plan(True).per_sequence
+    assert not plan(False, need).fits and plan(True, need).fits  # the window this test stands in
+    monkeypatch.setattr(capacity, "device_memory", lambda device: need)
+    with caplog.at_level("INFO", logger="ds4serve.runtime.core"):
+        core = load_core(d, settings=settings, packed_experts="auto")
+    try:
+        stacks = [layer.mlp.experts.gate_up_proj for layer in core.engine.model.model.layers]
+        assert all(isinstance(s, PackedExperts) for s in stacks)
+        assert "routed experts kept packed: the dequantised experts" in caplog.text
+    finally:
+        core.close()
+    monkeypatch.setattr(capacity, "device_memory", lambda device: 1 << 40)
+    core = load_core(d, settings=settings, packed_experts="auto")
+    try:
+        assert not any(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)
+    finally:
+        core.close()

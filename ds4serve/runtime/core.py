@@ -37,7 +37,7 @@ from ..multimodal.records import ImageInput
 from ..scheduler.admission import fit_problem
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
-from .capacity import check_fits
+from .capacity import check_fits, choose_packed_experts
 from .parallel import ParallelGroup, ParallelSettings, start_group
 from .sizing import Resolved, resolve
 from .calibrate import calibrate
@@ -247,14 +247,20 @@ class EngineCore:
 
 def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
               vision_device: str | None = None, extra_eos: Sequence[int] = (),
-              packed_experts: bool = False, parallel: ParallelSettings | None = None) -> EngineCore:
+              packed_experts: bool | str = False, parallel: ParallelSettings | None = None) -> EngineCore:
     """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model).
     A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``).
+    ``packed_experts``: a bool, or "auto" / "on" / "off" (``capacity.choose_packed_experts``: auto packs
+    only when the dequantised experts would not fit and packed ones do).
     ``parallel`` with ``tensor_parallel_size > 1`` starts the other ranks (``parallel.py``) first."""
     s = settings or EngineSettings()
     tp = parallel.tensor_parallel_size if parallel is not None else 1
-    check_fits(ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device), s.max_model_len,
-               s.max_prefill_tokens, packed_experts, tp, parallel is not None and parallel.expert_parallel)
+    ep = parallel is not None and parallel.expert_parallel
+    cfg0, dt, dev = ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device)
+    packed_experts, why = choose_packed_experts(packed_experts, cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens,
+                                                tp, ep)
+    log.info("routed experts %s: %s", "kept packed" if packed_experts else "dequantised at load", why)
+    check_fits(cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens, packed_experts, tp, ep)
     group = None
     if tp > 1:
         group, cfg, model = start_group(model_dir, parallel, device, dtype, packed_experts)

@@ -44,7 +44,7 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
                 served_name: str | None = None,
                 random_weights: bool = False, vision_device: str | None = None,
-                image_hosts: tuple[str, ...] = (), packed_experts: bool = False,
+                image_hosts: tuple[str, ...] = (), packed_experts: bool | str = "auto",
                 parallel: ParallelSettings | None = None) -> ServerState:
     tokenizer = Tokenizer(model_dir)
     core = load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
