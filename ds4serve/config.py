@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -531,5 +532,23 @@ def set_openmp_defaults() -> None:
     own thread pool right after torch's few per-step ops (sampling over ``[rows, vocab]``), so spinning
     OpenMP threads took the same cores from it: a 16-stream decode step on 2 cores took 11.6 ms instead
     of 7.1. A short spin keeps torch's own forward as fast as before (its ops follow each other closely).
-    libgomp reads the variable when torch loads, so this only counts when ds4serve is imported first."""
+    libgomp reads the variable when torch loads, so this only counts when ds4serve is imported first
+    (``openmp_spin_advice`` says so when it was not)."""
+    global _SPIN_SET_TOO_LATE
+    if "GOMP_SPINCOUNT" not in os.environ and "torch" in sys.modules:
+        _SPIN_SET_TOO_LATE = True
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
+_SPIN_SET_TOO_LATE = False  # torch (and so libgomp) was loaded before ds4serve could shorten the spin
+
+
+def openmp_spin_advice() -> str | None:
+    """What to do when ``set_openmp_defaults`` came too late (``import torch`` before ``import
+    ds4serve`` in a program using ``LLM``): torch's OpenMP threads then spin ~30x longer and slow the
+    native forward's steps ~1.6x on 2 cores. None when the spin count took effect or the user set it."""
+    if not _SPIN_SET_TOO_LATE:
+        return None
+    return ("torch was imported before ds4serve, so its OpenMP threads keep their long spin and take cores "
+            "from the native forward (decode steps up to ~1.6x slower on small machines): import ds4serve "
+            "first, or export GOMP_SPINCOUNT=10000 before starting Python")

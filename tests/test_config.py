@@ -91,3 +91,22 @@ def test_official_bad_ratio_names_the_index():
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ModelConfig.from_file(tmp_path)
+
+
+def _spin_probe(code: str, **env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_openmp_spin_is_shortened_when_ds4serve_comes_first_and_advice_is_given_when_it_does_not():
+    report = "import os; from ds4serve.config import openmp_spin_advice as a; print(os.environ['GOMP_SPINCOUNT'], a())"
+    assert _spin_probe("import ds4serve, torch; " + report) == "10000 None"
+    late = _spin_probe("import torch, ds4serve; " + report)
+    assert late.startswith("10000 torch was imported before ds4serve") and "GOMP_SPINCOUNT=10000" in late
+    assert _spin_probe("import torch, ds4serve; " + report, GOMP_SPINCOUNT="500") == "500 None"  # the user's choice

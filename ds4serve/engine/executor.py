@@ -19,7 +19,7 @@ import torch
 
 from ..cache import SeqChunk, build_view
 from ..cache.manager import CacheManager
-from ..config import ModelConfig
+from ..config import ModelConfig, openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_decode import HostDecoder
@@ -72,6 +72,9 @@ class Engine:
         else:
             log.info("native host forward on: every forward (decode rows, prefill chunks, image passes) runs as "
                      "one native call")
+            advice = openmp_spin_advice()
+            if advice:
+                log.warning(advice)
         return host
 
     def disable_host(self, why: str) -> None:
