@@ -11,6 +11,7 @@ step's requests (reported, never silent) and leaves the engine usable.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -43,6 +44,14 @@ class StepError(RuntimeError):
     """The engine was asked for something the plan contract forbids (a scheduler bug)."""
 
 
+@functools.cache
+def _warn_spin_once() -> None:
+    """Once per process: the OpenMP spin advice (``config.openmp_spin_advice``), if it applies."""
+    advice = openmp_spin_advice()
+    if advice:
+        log.warning(advice)
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
                  sample: bool = True, host_kernels: str = "off"):
@@ -72,9 +81,7 @@ class Engine:
         else:
             log.info("native host forward on: every forward (decode rows, prefill chunks, image passes) runs as "
                      "one native call")
-            advice = openmp_spin_advice()
-            if advice:
-                log.warning(advice)
+            _warn_spin_once()
         return host
 
     def disable_host(self, why: str) -> None:
