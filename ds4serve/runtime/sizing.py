@@ -41,6 +41,8 @@ def available_memory(device: torch.device) -> int:
 
 def _n_pages(s: EngineSettings, layout: StateLayout, per_seq_pages: int, device: torch.device) -> int:
     budget = parse_budget(s.kv_budget)
+    if layout.bytes_per_page() == 0:  # only sliding layers: no compressed state, pages cost nothing
+        return per_seq_pages * s.max_seqs
     if budget is None:
         affordable = int(0.3 * available_memory(device)) // layout.bytes_per_page()
         n_pages = max(per_seq_pages, min(per_seq_pages * s.max_seqs, affordable))
