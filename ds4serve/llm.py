@@ -62,6 +62,12 @@ class LLM:
         Extra keyword arguments are ``SamplingParams`` fields (``top_p``, ``top_k``, ``ignore_eos``...).
         Generation stops early at an EOS id unless ``ignore_eos=True``.
         """
+        return [ids for ids, _ in self.generate_with_logprobs(prompts, max_tokens, temperature, seed, **sampling)]
+
+    def generate_with_logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0,
+                               seed: int | None = None, **sampling) -> list[tuple[list[int], list]]:
+        """``generate``, and for each prompt the per-token log-probabilities the sampler reported: with
+        ``logprobs=k``, ``(chosen token's logprob, ((id, logprob) x k))`` per new token, else empty."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
         for i, p in enumerate(prompts):
             if not p:
@@ -79,7 +85,7 @@ class LLM:
             for out in self.core.step():
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-        return [list(r.output_ids) for r in reqs]
+        return [(list(r.output_ids), list(r.output_logprobs)) for r in reqs]
 
     def prompt_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """fp32 logits ``[len(ids), vocab]`` of one prompt (chunks of ``max_prefill_tokens``)."""

@@ -92,6 +92,10 @@ MUTANTS = [
     Mutant("n8", "native MXFP4 experts: the second part (up) read from the first (gate)",
            "ds4serve/model/csrc/host_packed.c", "    int p = n >= q->rows[0];", "    int p = 0;",
            ("tests/test_host_packed.py",)),
+    Mutant("n9", "native few-row product: one weight row's term rounded differently (a few ulps)",
+           "ds4serve/model/csrc/host_kernels.c", "acc += a[i][2] * b2;",
+           "acc += (a[i][2] * b2 + a[i][3] * b3) - a[i][3] * b3;",
+           ("tests/test_host_decode.py", "tests/test_host_packed.py")),
 ]
 
 

@@ -145,8 +145,10 @@ def test_native_rows_are_batch_invariant_bit_for_bit(ckpt_factory):
     _, path = ckpt_factory("A")
     llm = LLM(path, max_seqs=4, host_kernels="on")
     prompts = [random_ids(n, 1000, seed=80 + n) for n in (9, 33, 70)]
-    solo = [llm.generate([p], max_tokens=12, ignore_eos=True, logprobs=3) for p in prompts]
-    assert llm.generate(prompts, max_tokens=12, ignore_eos=True, logprobs=3) == [s[0] for s in solo]
+    solo = [llm.generate_with_logprobs([p], max_tokens=12, ignore_eos=True, logprobs=3)[0] for p in prompts]
+    together = llm.generate_with_logprobs(prompts, max_tokens=12, ignore_eos=True, logprobs=3)
+    assert all(len(lps) == 12 for _, lps in solo)  # the float logprobs are compared, not only the tokens
+    assert together == solo
 
 
 def test_where_it_does_not_apply_the_torch_path_runs(ckpt_factory, caplog):
