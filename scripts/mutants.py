@@ -96,6 +96,9 @@ MUTANTS = [
            "ds4serve/model/csrc/host_kernels.c", "acc += a[i][2] * b2;",
            "acc += (a[i][2] * b2 + a[i][3] * b3) - a[i][3] * b3;",
            ("tests/test_host_decode.py", "tests/test_host_packed.py")),
+    Mutant("n10", "native 6-row tiles: a later block of weight rows starts from zero, not the stored sums",
+           "ds4serve/model/csrc/host_kernels.c", "j->y + m0 * j->ldy + n0, j->ldy, k0 > 0);",
+           "j->y + m0 * j->ldy + n0, j->ldy, 0);", ("tests/test_host_decode.py",)),
 ]
 
 
