@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .config import PACKED_MODES
+
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="capacity plan from config.json alone: weights by kind, state per "
@@ -19,7 +21,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default min(model, 8192))")
     plan.add_argument("--dtype", default="bfloat16", help="weights and state dtype (default bfloat16)")
     plan.add_argument("--max-prefill-tokens", type=int, default=1024, help="as serve's flag (sizes staging)")
-    plan.add_argument("--packed-experts", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+    plan.add_argument("--packed-experts", nargs="?", const="on", default="auto", choices=PACKED_MODES,
                       help="as serve's flag: routed experts kept packed (auto: only when dequantised ones would not "
                            "fit and packed ones do)")
     plan.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="as serve's flag: the plan per rank")
@@ -40,10 +42,10 @@ def run_inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from .config import ConfigError, ModelConfig, parse_budget
-    from .model import parse_dtype
     import torch
 
+    from .config import ConfigError, ModelConfig, parse_budget
+    from .model import parse_dtype
     from .runtime.capacity import choose_packed_experts, plan_capacity, render_plan
 
     memory = parse_budget(args.memory)
