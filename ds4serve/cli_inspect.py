@@ -42,8 +42,6 @@ def run_inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    import torch
-
     from .config import ConfigError, ModelConfig, parse_budget
     from .model import parse_dtype
     from .runtime.capacity import choose_packed_experts, plan_capacity, render_plan
@@ -52,9 +50,8 @@ def _plan(args) -> int:
     if memory is None or memory[0] != "bytes":
         raise ConfigError(f"--gpu-memory {args.memory!r}: give a size, e.g. 141GiB")
     cfg, dtype = ModelConfig.from_file(args.model), parse_dtype(args.dtype)
-    # the device is not here: both a CPU (native forward) and CUDA (Triton) run packed experts, so "auto"
-    # decides on fit alone (the host device stands for "packed kernels present")
-    packed, why = choose_packed_experts(args.packed_experts, cfg, dtype, torch.device("cpu"), args.max_model_len,
+    # the device is not here (None): "auto" decides on fit alone
+    packed, why = choose_packed_experts(args.packed_experts, cfg, dtype, None, args.max_model_len,
                                         args.max_prefill_tokens, args.tensor_parallel_size,
                                         args.enable_expert_parallel, memory=memory[1])
     plan = plan_capacity(cfg, dtype, memory[1], args.max_model_len, args.max_prefill_tokens,

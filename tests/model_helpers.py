@@ -58,3 +58,19 @@ def feed(core, reqs, every: int = 0, encoded: bool = False) -> None:
                 assert core.encoder.wait(r.request_id, 60), f"{r.request_id}: images not encoded in 60 s"
         core.step()
         step += 1
+
+
+def write_random_text_checkpoint(path, **overrides):
+    """A text-only checkpoint of ``random_config`` (vocab 1000) with ``overrides`` and seeded random
+    weights (``tiny.random_model``), for shapes the shared fixtures do not have; returns ``path``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ds4serve.config import ModelConfig
+    from ds4serve.tiny.random_model import random_config, random_weights
+
+    config = dict(random_config(1000, vision=False), **overrides)
+    save_file(random_weights(ModelConfig.from_dict(config)), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

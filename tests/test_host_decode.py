@@ -18,7 +18,7 @@ from ds4serve.cache import SeqChunk
 from ds4serve.llm import LLM
 from ds4serve import native_build
 from ds4serve.model import host_decode, native
-from model_helpers import random_ids
+from model_helpers import random_ids, write_random_text_checkpoint
 
 ATOL = 1e-4
 
@@ -262,16 +262,7 @@ def test_products_over_more_than_one_block_of_weight_rows_keep_rows_invariant(tm
     run over the weights in two passes, the second continuing from the outputs the first stored, while
     1-3 rows take the row panels in one pass. Both must give a row the same bits, and the torch path's
     numbers within fp32 rounding."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from ds4serve.config import ModelConfig
-    from ds4serve.tiny.random_model import random_config, random_weights
-
-    config = dict(random_config(1000, vision=False), hidden_size=640, num_hidden_layers=2, compress_ratios=[0, 4])
-    save_file(random_weights(ModelConfig.from_dict(config)), str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_random_text_checkpoint(tmp_path, hidden_size=640, num_hidden_layers=2, compress_ratios=[0, 4])
     llm = LLM(tmp_path, max_seqs=6, host_kernels="on")
     prompts = [random_ids(n, 1000, seed=90 + n) for n in (5, 12, 30, 7, 19, 44)]
     solo = [llm.generate_with_logprobs([p], max_tokens=6, ignore_eos=True, logprobs=3)[0] for p in prompts]

@@ -76,17 +76,10 @@ def test_pages_are_zero_when_first_handed_out_and_garbage_is_never_read(llm_fact
 def test_a_model_of_sliding_layers_only_needs_no_pages_and_runs(tmp_path):
     """Only sliding-window layers: no compressed state, so a page costs 0 bytes. Sizing the page pool
     divided by that (ZeroDivisionError at start-up); such a model must start and decode, on both paths."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from ds4serve.config import ModelConfig
     from ds4serve.llm import LLM
-    from ds4serve.tiny.random_model import random_config, random_weights
+    from model_helpers import write_random_text_checkpoint
 
-    config = dict(random_config(1000, vision=False), num_hidden_layers=2, compress_ratios=[0, 0])
-    save_file(random_weights(ModelConfig.from_dict(config)), str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_random_text_checkpoint(tmp_path, num_hidden_layers=2, compress_ratios=[0, 0])
     outs = {mode: LLM(tmp_path, max_seqs=2, host_kernels=mode).generate([[5, 6, 7], [9] * 40], max_tokens=6,
                                                                         ignore_eos=True)
             for mode in ("on", "off")}

@@ -252,21 +252,25 @@ def device_memory(device: torch.device) -> int:
         return 1 << 62  # cannot tell: do not refuse
 
 
-def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | None,
                           max_model_len: int | None, max_prefill_tokens: int = 1024, tensor_parallel: int = 1,
                           expert_parallel: bool = False, memory: int | None = None) -> tuple[bool, str]:
     """Whether to keep the routed experts packed, and why. ``on`` / ``off`` (or a bool) decide alone.
     ``auto`` packs only where that turns a refusal into a server: the checkpoint stores its experts in a
     packed format this device can run packed, the dequantised weights leave no room for one sequence and
     the packed ones do. Where both fit, dequantised experts stay the default: on a CPU they decode as
-    fast as packed ones and prefill ~1.13x faster (README, "Sizing a real checkpoint")."""
+    fast as packed ones and prefill ~1.13x faster (README, "Sizing a real checkpoint"). ``device`` None
+    (``plan``: the hardware is not here) decides on fit alone; ``memory`` is then required."""
     if isinstance(mode, bool):
         mode = "on" if mode else "off"
     if mode not in PACKED_MODES:
         raise ConfigError(f"packed experts must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
     if mode != "auto":
         return mode == "on", f"--packed-experts {mode}"
-    memory = device_memory(device) if memory is None else memory
+    if memory is None:
+        if device is None:
+            raise ValueError("choose_packed_experts: give the memory when there is no device")
+        memory = device_memory(device)
 
     def plan(packed: bool) -> CapacityPlan:
         return plan_capacity(cfg, dtype, memory, max_model_len, max_prefill_tokens, packed_experts=packed,
@@ -277,7 +281,7 @@ def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype
         return False, "the dequantised experts fit"
     if dense.weights.routed_packed is None:
         return False, f"the checkpoint's experts are not in a packed format ({dense.weights.packed_format})"
-    if device.type != "cpu":
+    if device is not None and device.type != "cpu":
         from ..model import triton_experts
 
         if not triton_experts.available(device):
@@ -286,7 +290,7 @@ def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype
     if not packed.fits:
         return False, "the model does not fit with packed experts either"
     return True, (f"the dequantised experts ({_gib(dense.weights.by_kind['routed experts'])}) leave no room for a "
-                  f"sequence on {device}; kept packed ({packed.weights.packed_format}, "
+                  f"sequence on {device or 'this device'}; kept packed ({packed.weights.packed_format}, "
                   f"{_gib(packed.weights.routed_packed)}) they do")
 
 
@@ -310,5 +314,5 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_m
     return plan
 
 
-__all__ = ["CapacityPlan", "WeightPlan", "check_fits", "choose_packed_experts", "device_memory", "plan_capacity", "plan_weights",
-           "render_plan", "weight_kind"]
+__all__ = ["CapacityPlan", "WeightPlan", "check_fits", "choose_packed_experts", "device_memory", "plan_capacity",
+           "plan_weights", "render_plan", "weight_kind"]

@@ -74,6 +74,5 @@ async def race(events: AsyncIterator[E], gone: Callable[[], Awaitable[object]] |
             if not fut.done():
                 fut.cancel()
                 await asyncio.gather(fut, return_exceptions=True)
-            elif not fut.cancelled():
-                fut.exception()  # a finished loser (e.g. the stream's end beside the disconnect): retrieved, so
-                # asyncio does not log "Task exception was never retrieved" for it
+            elif not fut.cancelled():  # a finished loser (the stream's end beside the disconnect): retrieve
+                fut.exception()        # its exception, or asyncio logs "Task exception was never retrieved"

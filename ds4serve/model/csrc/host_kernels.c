@@ -177,7 +177,7 @@ typedef struct {
     int64_t N;
     float *y;
     int64_t ldy;
-    int64_t panel;  /* one-row products: outputs per panel (a whole number of vectors) */
+    int64_t panel;  /* products of 1-ROWS_MAX rows: outputs per panel (a whole number of vectors) */
 } LinearJob;
 
 /* up to ROWS_MAX rows, panels of job->panel outputs (at most ROW_PANEL; the last one narrower) */
@@ -233,8 +233,9 @@ static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
     int row = w.kn && M <= ROWS_MAX;
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);  /* every thread gets a panel */
-    LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy, per_thread < ROW_PANEL ? per_thread : ROW_PANEL};
-    int64_t width = row ? job.panel : w.kn ? 4 * VW : 4;
+    int64_t panel = per_thread < ROW_PANEL ? per_thread : ROW_PANEL;
+    LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy, panel};
+    int64_t width = row ? panel : w.kn ? 4 * VW : 4;
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
     parallel(blocks, grain, row ? kn_row_blocks : w.kn ? kn_blocks : nk_blocks, &job);
