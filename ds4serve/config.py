@@ -525,6 +525,33 @@ def cache_root() -> Path:
     return Path(os.environ.get("DS4SERVE_CACHE") or Path.home() / ".cache" / "ds4serve")
 
 
+@dataclass(frozen=True)
+class NativeBuild:
+    """How the native host forward is compiled (``model/host_decode.py``), from the environment:
+
+    ``DS4SERVE_NATIVE_TARGET``: the instruction set, ``native`` (default: ``-march=native``, falling back
+    to the compiler's baseline where that fails), or any ``-march`` value (``x86-64-v2`` has no FMA,
+    ``x86-64-v3`` is AVX2 + FMA, ``x86-64-v4`` AVX-512), or ``baseline`` (no ``-march`` at all). The tests
+    build every target the CPU runs and check that each keeps the promised-equal results equal.
+    ``DS4SERVE_NATIVE_CHECK=1``: every gather and scatter checked against the size of what it indexes
+    (aborts with a message; slower). ``DS4SERVE_NATIVE_SANITIZE=1``: built with AddressSanitizer and
+    UndefinedBehaviorSanitizer (``scripts/sanitize.sh``; the process must preload libasan)."""
+
+    target: str = "native"
+    check: bool = False
+    sanitize: bool = False
+
+
+def native_build() -> NativeBuild:
+    """The ``NativeBuild`` the environment asks for (see there); a malformed target is a ``ConfigError``."""
+    target = os.environ.get("DS4SERVE_NATIVE_TARGET", "").strip() or "native"
+    if not all(c.isalnum() or c in "-_.+" for c in target):
+        raise ConfigError(f"DS4SERVE_NATIVE_TARGET={target!r} is not a -march name (e.g. native, x86-64-v3)")
+    on = ("1", "true", "yes", "on")
+    return NativeBuild(target, os.environ.get("DS4SERVE_NATIVE_CHECK", "").lower() in on,
+                       os.environ.get("DS4SERVE_NATIVE_SANITIZE", "").lower() in on)
+
+
 def set_openmp_defaults() -> None:
     """Shorten how long torch's OpenMP threads spin after a parallel region (unless the user chose).
 

@@ -23,7 +23,7 @@ from ..cache.manager import CacheManager
 from ..config import ModelConfig, openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
-from ..model.host_decode import HostDecoder
+from ..model.host_decode import HostDecoder, description as host_build
 from .decode_graphs import DecodeRunner, resolve_mode
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
@@ -79,8 +79,8 @@ class Engine:
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
             log.info("native host forward not used (%s): text forwards take the torch path", why)
         else:
-            log.info("native host forward on: every forward (decode rows, prefill chunks, image passes) runs as "
-                     "one native call")
+            log.info("native host forward on, built for %s: every forward (decode rows, prefill chunks, image "
+                     "passes) runs as one native call", host_build())
             _warn_spin_once()
         return host
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import AttnKind, ModelConfig, cache_root
+from ..config import AttnKind, ModelConfig, NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key
 from .batch import BatchView, LayerState
 from .packed import PackedExperts
@@ -37,12 +37,16 @@ log = logging.getLogger(__name__)
 # one translation unit, in this order (see host_base.c)
 _SOURCES = tuple(Path(__file__).with_name("csrc") / f"host_{part}.c"
                  for part in ("base", "pool", "kernels", "packed", "layers", "forward"))
-_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
-_ATTEMPTS = (["-march=native"], [])  # tuned for this CPU where the compiler can (the build is cached per CPU)
-MAX_EXPERTS = 512  # fixed buffers in the C code
-MAX_HC = 16
-MAX_SPAN = 1024
+# -ffp-contract=off: the compiler never fuses a * b + c on its own; the source says where a multiply-add
+# is fused (vfma / sfma in host_base.c), so every path that promises the same bits rounds the same way on
+# every instruction set (with GCC's default contraction, rows of one batch differed on an AVX2 CPU)
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
+_SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
 SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostDecoder._weight)
+# the C's fixed array lengths the ctypes mirrors below need at class definition; checked against the
+# library's own (ds4_abi) when it is bound, like every struct size
+_MAX_RATIOS = 4
+MAX_CAPTURES = 8
 
 
 class _Weight(ctypes.Structure):
@@ -76,8 +80,9 @@ class _Layer(ctypes.Structure):
                 + _fields(_Weight, "sh_gate", "sh_up", "sh_down")
                 + _fields(c_int64, "has_shared") + _fields(c_void_p, "swa", "comp_ring", "comp_pool", "idx_ring",
                                                            "idx_pool")
-                + _fields(c_int64, "swa_rows", "comp_ring_rows", "idx_ring_rows")
-                + _fields(c_void_p, "snap_swa", "snap_comp", "snap_idx"))
+                + _fields(c_int64, "swa_rows", "comp_ring_rows", "idx_ring_rows", "comp_pool_rows", "idx_pool_rows")
+                + _fields(c_void_p, "snap_swa", "snap_comp", "snap_idx")
+                + _fields(c_int64, "snap_swa_rows", "snap_comp_rows", "snap_idx_rows"))
 
 
 class _Model(ctypes.Structure):
@@ -101,15 +106,13 @@ class _Capture(ctypes.Structure):
                                                                           "new_src")
 
 
-MAX_CAPTURES = 8
-
-
 class _StepView(ctypes.Structure):
     _fields_ = (_fields(c_int64, "T", "Kw", "M", "after_write")
                 + _fields(c_void_p, "ids", "positions", "swa_keys", "swa_dst", "swa_src", "swa_valid", "is_image")
                 + [("n_image_rows", c_int64)] + _fields(c_void_p, "image_rows", "image_embeds")
                 + _fields(c_int64, "n_comp", "n_vis", "n_cap")
-                + [("comp", _CompView * 4), ("vis", _VisView * 4), ("cap", _Capture * MAX_CAPTURES)])
+                + [("comp", _CompView * _MAX_RATIOS), ("vis", _VisView * _MAX_RATIOS),
+                   ("cap", _Capture * MAX_CAPTURES)])
 
 
 class _Arena(ctypes.Structure):
@@ -118,20 +121,33 @@ class _Arena(ctypes.Structure):
 
 # ---- building and loading the library ----------------------------------------------------------
 
+def _attempts(build: NativeBuild) -> list[list[str]]:
+    """The ``-march`` flags to try: ``native`` falls back to the compiler's baseline where the compiler
+    cannot tune for this CPU; a named target does not fall back (a test that asks for it must get it)."""
+    if build.target == "native":
+        return [["-march=native"], []]
+    return [[]] if build.target == "baseline" else [[f"-march={build.target}"]]
+
+
 def _load() -> ctypes.CDLL:
-    """Built for this CPU where the compiler can, else with the base flags (each attempt's error kept)."""
+    """Built for the target ``config.native_build()`` names (each failed attempt's error kept)."""
+    build = native_build()
+    extra = (["-DDS4_CHECK"] if build.check else []) + (_SANITIZE_FLAGS if build.sanitize else [])
+    source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
     errors = []
-    for extra in _ATTEMPTS:
+    for march in _attempts(build):
         try:
-            source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
-            path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + extra, ["-lm"],
+            path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + march + extra, ["-lm"],
                                  key=cpu_key())
             lib = _bind(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError) as exc:
-            errors.append(f"{' '.join(extra) or 'plain'}: {exc}")
+            errors.append(f"{' '.join(march) or 'baseline'}: {exc}")
             continue
+        lib.ds4_description = (f"{' '.join(march) or 'the compiler baseline'}{' + checks' if build.check else ''}"
+                               f"{' + sanitizers' if build.sanitize else ''} ({lib.ds4_build_info().decode()})")
         if errors:
-            log.info("host decode kernels built without %s (%s)", " ".join(_ATTEMPTS[0]), errors[-1])
+            log.info("host forward built without -march=native (%s)", errors[-1])
+        log.info("host forward built for %s", lib.ds4_description)
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -144,8 +160,40 @@ def library() -> ctypes.CDLL | None:
     return _library.get()
 
 
+def description() -> str | None:
+    """What the library was built for (target, vector width, FMA), or None when it was not built."""
+    lib = _library.get()
+    return getattr(lib, "ds4_description", None) if lib is not None else None
+
+
+_MIRRORS = {"Weight": _Weight, "Dims": _Dims, "Layer": _Layer, "Model": _Model, "CompView": _CompView,
+            "VisView": _VisView, "Capture": _Capture, "StepView": _StepView, "Arena": _Arena}
+
+
+def _abi(lib: ctypes.CDLL) -> dict[str, int]:
+    """The library's struct sizes and limits by name (``ds4_abi``); a mismatch with the ctypes mirrors
+    here raises (a field added on one side only would shift every field after it)."""
+    names = [n for n in lib.ds4_abi_names().decode().split(",") if n]
+    values = (c_int64 * len(names))()
+    if lib.ds4_abi(values, len(names)) != len(names):
+        raise RuntimeError("the host forward's ABI table and its names disagree")
+    abi = dict(zip(names, values))
+    mirrors = {n: ctypes.sizeof(t) for n, t in _MIRRORS.items()} | {"MAX_RATIOS": _MAX_RATIOS,
+                                                                    "MAX_CAPTURES": MAX_CAPTURES}
+    wrong = [f"{n}: C {abi.get(n)} vs Python {v}" for n, v in mirrors.items() if abi.get(n) != v]
+    if wrong:
+        raise RuntimeError("the host forward's C structs or limits do not match host_decode.py's mirrors ("
+                           + "; ".join(wrong) + "): the C and the Python were changed apart")
+    return abi
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_vector_width.restype = c_int
+    lib.ds4_build_info.restype = ctypes.c_char_p
+    lib.ds4_abi_names.restype = ctypes.c_char_p
+    lib.ds4_abi.argtypes = [POINTER(c_int64), c_int64]
+    lib.ds4_abi.restype = c_int64
+    lib.ds4_limits = _abi(lib)
     lib.ds4_forward.argtypes = [POINTER(_Model), POINTER(_StepView), c_void_p, c_int64, c_int64, POINTER(_Arena),
                                 c_int]
     lib.ds4_forward.restype = c_int
@@ -159,8 +207,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 # ---- the decoder ---------------------------------------------------------------------------------
 
-def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> str | None:
-    """Why this model and state cannot take the native decode (None: it can)."""
+def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState],
+                limits: dict[str, int] | None = None) -> str | None:
+    """Why this model and state cannot take the native decode (None: it can); ``limits``: the library's
+    fixed sizes (``ds4_abi``; by default the built library's)."""
+    if limits is None:
+        lib = library()
+        if lib is None:
+            return f"the kernels could not be built ({_library.failure})"
+        limits = lib.ds4_limits
     params = list(model.parameters()) + [t for st in states for t in (st.swa, st.comp_ring, st.comp_pool,
                                                                       st.idx_ring, st.idx_pool) if t is not None]
     if any(p.device.type != "cpu" for p in params):
@@ -175,8 +230,11 @@ def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState]) ->
         why = _packed_unsupported(ly.mlp.experts.gate_up_proj, 2) or _packed_unsupported(ly.mlp.experts.down_proj, 1)
         if why:
             return why
-    if cfg.n_routed_experts > MAX_EXPERTS or cfg.hc_mult > MAX_HC or 2 * max(cfg.compress_ratios) > MAX_SPAN:
-        return f"more than {MAX_EXPERTS} experts, {MAX_HC} hyper-connection streams or a compress span over {MAX_SPAN}"
+    n_keys = len({(r, k) for r, k in zip(cfg.compress_ratios, cfg.attn_kinds) if r})
+    if cfg.n_routed_experts > limits["MAX_EXPERTS"] or cfg.hc_mult > limits["MAX_HC"] \
+            or 2 * max(cfg.compress_ratios) > limits["MAX_SPAN"] or n_keys > limits["MAX_RATIOS"]:
+        return (f"more than {limits['MAX_EXPERTS']} experts, {limits['MAX_HC']} hyper-connection streams, "
+                f"{limits['MAX_RATIOS']} kinds of compressed layer or a compress span over {limits['MAX_SPAN']}")
     return None
 
 
@@ -222,12 +280,12 @@ class HostDecoder:
     @classmethod
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> tuple["HostDecoder | None", str]:
         """The decoder, or ``(None, why not)``."""
-        why = unsupported(cfg, model, states)
-        if why is not None:
-            return None, why
         lib = library()
         if lib is None:
             return None, f"the kernels could not be built ({_library.failure})"
+        why = unsupported(cfg, model, states, lib.ds4_limits)
+        if why is not None:
+            return None, why
         return cls(cfg, model, states, lib), ""
 
     def close(self) -> None:
@@ -306,6 +364,7 @@ class HostDecoder:
             for field, name in (("snap_swa", "swa"), ("snap_comp", "comp_ring"), ("snap_idx", "idx_ring")):
                 t = snap.get(name) if snap else None
                 setattr(layer, field, _arg(t, keep) if t is not None else None)
+                setattr(layer, f"{field}_rows", t.shape[0] if t is not None else 0)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """``DS4ForCausalLM.logits`` natively: fp32 logits ``[N, vocab]`` of streams ``[N, hc, D]``."""
@@ -384,6 +443,8 @@ class HostDecoder:
         out.swa_rows = st.swa.shape[0]
         out.comp_ring_rows = st.comp_ring.shape[0] if st.comp_ring is not None else 0
         out.idx_ring_rows = st.idx_ring.shape[0] if st.idx_ring is not None else 0
+        out.comp_pool_rows = st.comp_pool.shape[0] if st.comp_pool is not None else 0
+        out.idx_pool_rows = st.idx_pool.shape[0] if st.idx_pool is not None else 0
         return out
 
     def _moe(self, out: _Layer, f: nn.Module) -> None:
@@ -450,5 +511,7 @@ def _check(rc: int) -> None:
         raise MemoryError("the native decode could not allocate its scratch memory")
     if rc == -2:
         raise ValueError("a token id is outside the vocabulary (or an image row outside the forward)")
+    if rc == -3:
+        raise ValueError("a view beyond the native forward's fixed limits (compressor keys, ratios or captures)")
     if rc != 0:
         raise RuntimeError(f"the native decode failed ({rc})")

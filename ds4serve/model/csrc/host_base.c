@@ -23,6 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 #define VW 16
 #else
@@ -39,7 +43,90 @@ static inline float vsum(vf v) {
     return s;
 }
 
+/* Rounding is decided here, in the source, never by the compiler. The library is built with
+   -ffp-contract=off (host_decode.py), so `a * b + c` is always a product rounded, then a sum rounded;
+   every multiply-add whose result must agree between two paths (tiles vs panels, packed vs dense, a
+   row alone vs in a batch) goes through vfma / sfma, which are ONE fused operation wherever the target
+   has FMA and the separate two everywhere else. Before this, GCC's default contraction fused some
+   `acc += a * b` and not others depending on the instruction set and the inlining of each path, so
+   rows that were promised equal bit for bit differed on an AVX2 machine (and agreed on AVX-512). */
+#if defined(__AVX512F__)
+#define DS4_FMA 1
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__FMA__) && (defined(__x86_64__) || defined(__i386__))
+#define DS4_FMA 1
+static inline vf vfma(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#elif defined(__ARM_FEATURE_FMA)
+#define DS4_FMA 1
+static inline vf vfma(vf a, vf b, vf c) {
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+}
+#else
+#define DS4_FMA 0
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }  /* two roundings, as everywhere in this build */
+#endif
+
+/* a * b + c for one float: fused exactly where vfma is */
+static inline float sfma(float a, float b, float c) {
+#if DS4_FMA
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 int ds4_vector_width(void) { return VW; }
+
+/* Fixed limits of the buffers below and in the layers; host_decode.py reads them from ds4_abi (it does
+   not restate them) and keeps a model that exceeds one on the torch path. */
+#define DS4_MAX_EXPERTS 512     /* routed experts (route's and experts' stack arrays) */
+#define DS4_MAX_HC 16           /* hyper-connection streams (hc_mix_rows) */
+#define DS4_MAX_SPAN 1024       /* slots of one compressor window: 2 x the largest ratio (emit_windows) */
+#define DS4_MAX_CAPTURES 8      /* prefix-cache snapshots inside one forward (StepView.cap) */
+#define DS4_MAX_RATIOS 4        /* distinct compress ratios, and (ratio, indexer) keys (StepView.comp / vis) */
+#define DS4_MAX_GROUP_HEADS 64  /* attention heads one work item attends (attend's stack arrays) */
+
+/* ---- bounds (DS4_CHECK builds) ------------------------------------------------------------------
+   Every index the forward reads from a view or a checkpoint table is checked against the size of what
+   it indexes when built with -DDS4_CHECK (DS4SERVE_NATIVE_CHECK=1): a bad one stops the process with
+   the name of the index, its value and its range instead of reading or writing another tensor's memory.
+   Ordinary builds compile the checks away (the views are built by cache/view.py and checked there). */
+#if defined(DS4_CHECK)
+#include <stdio.h>
+__attribute__((noreturn, cold)) static void ds4_out_of_bounds(const char *what, int64_t value, int64_t bound) {
+    fprintf(stderr, "ds4 native bounds check failed: %s = %lld is outside [0, %lld)\n", what, (long long)value,
+            (long long)bound);
+    fflush(stderr);
+    abort();
+}
+#define BOUND(what, value, bound)                                                              \
+    do {                                                                                       \
+        int64_t v_ = (int64_t)(value), b_ = (int64_t)(bound);                                   \
+        if (v_ < 0 || v_ >= b_) ds4_out_of_bounds(what, v_, b_);                                \
+    } while (0)
+#else
+#define BOUND(what, value, bound) ((void)0)
+#endif
+
+#define DS4_STR2(x) #x
+#define DS4_STR(x) DS4_STR2(x)
+#if DS4_FMA
+#define DS4_FMA_NAME "fused multiply-add"
+#else
+#define DS4_FMA_NAME "no FMA (multiply, then add)"
+#endif
+#if defined(DS4_CHECK)
+#define DS4_CHECK_NAME ", bounds checked"
+#else
+#define DS4_CHECK_NAME ""
+#endif
+
+/* what this build computes with, for the start-up log and the tests */
+const char *ds4_build_info(void) {
+    return "vector width " DS4_STR(VW) ", " DS4_FMA_NAME ", contraction off" DS4_CHECK_NAME;
+}
 
 /* ---- descriptors (filled once by host_decode.py; field order must match its ctypes mirrors) ---- */
 
@@ -80,7 +167,9 @@ typedef struct {
     int64_t has_shared;
     float *swa, *comp_ring, *comp_pool, *idx_ring, *idx_pool;
     int64_t swa_rows, comp_ring_rows, idx_ring_rows;  /* ring rows: a key index past them is a new row */
+    int64_t comp_pool_rows, idx_pool_rows;           /* rows of the paged pools (the page pool's whole size) */
     float *snap_swa, *snap_comp, *snap_idx;          /* prefix-cache snapshot arena rings (or NULL) */
+    int64_t snap_swa_rows, snap_comp_rows, snap_idx_rows;
 } Layer;
 
 typedef struct {
@@ -123,28 +212,48 @@ typedef struct {
     const int64_t *image_rows;    /* [n] token index of each aligner row */
     const float *image_embeds;    /* [n, D] */
     int64_t n_comp, n_vis, n_cap;
-    CompView comp[4];
-    VisView vis[4];
-    Capture cap[8];
+    CompView comp[DS4_MAX_RATIOS];
+    VisView vis[DS4_MAX_RATIOS];
+    Capture cap[DS4_MAX_CAPTURES];
 } StepView;
 
-/* row idx of cat(ring, fresh): ring rows first, then this forward's rows */
-static inline const float *row_of(const float *ring, int64_t n_ring, const float *fresh, int64_t idx, int64_t w) {
-    return idx < n_ring ? ring + idx * w : fresh + (idx - n_ring) * w;
+typedef struct {  /* rows of width w: a ring (or pool) and its row count */
+    float *p;
+    int64_t rows, w;
+} Rows;
+
+/* row idx of cat(ring, fresh): ring rows first (n_ring of them: the ring's row count before this
+   forward's writes, INT64_MAX when the ring already holds them), then this forward's `fresh` rows */
+static inline const float *row_of(const float *ring, int64_t ring_rows, int64_t n_ring, const float *fresh,
+                                  int64_t fresh_rows, int64_t idx, int64_t w) {
+    if (idx < n_ring) {
+        BOUND("ring row", idx, ring_rows);
+        return ring + idx * w;
+    }
+    BOUND("row of this forward", idx - n_ring, fresh_rows);
+    (void)ring_rows, (void)fresh_rows;
+    return fresh + (idx - n_ring) * w;
 }
 
-static void write_ring(float *ring, const float *fresh, const int64_t *dst, const int64_t *src, int64_t n, int64_t w) {
-    for (int64_t i = 0; i < n; i++) memcpy(ring + dst[i] * w, fresh + src[i] * w, (size_t)w * 4);
+/* ring[dst[i]] = fresh[src[i]] for n rows of width w */
+static void write_ring(Rows ring, const float *fresh, int64_t fresh_rows, const int64_t *dst, const int64_t *src,
+                       int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        BOUND("ring row written", dst[i], ring.rows);
+        BOUND("row copied into a ring", src[i], fresh_rows);
+        memcpy(ring.p + dst[i] * ring.w, fresh + src[i] * ring.w, (size_t)ring.w * 4);
+    }
+    (void)fresh_rows;
 }
 
 /* capture_ring: copy the ring as it stood at each capture point into the snapshot rows */
-static void capture(const StepView *v, int64_t ring_len, float *snap, const float *ring, const float *fresh, int64_t w) {
-    if (!snap) return;
+static void capture(const StepView *v, int64_t ring_len, Rows snap, Rows ring, const float *fresh) {
+    if (!snap.p) return;
     for (int64_t c = 0; c < v->n_cap; c++) {
         const Capture *cp = &v->cap[c];
         if (cp->ring_len != ring_len) continue;
-        write_ring(snap, ring, cp->old_dst, cp->old_src, cp->n_old, w);
-        write_ring(snap, fresh, cp->new_dst, cp->new_src, cp->n_new, w);
+        write_ring(snap, ring.p, ring.rows, cp->old_dst, cp->old_src, cp->n_old);
+        write_ring(snap, fresh, v->T, cp->new_dst, cp->new_src, cp->n_new);
     }
 }
 

@@ -110,6 +110,14 @@ int ds4_forward(const Model *m, const StepView *v, float *streams, int64_t start
                 int threads) {
     Scratch s;
     g_threads = threads > 0 ? threads : 1;
+    if (v->n_comp < 0 || v->n_comp > DS4_MAX_RATIOS || v->n_vis < 0 || v->n_vis > DS4_MAX_RATIOS || v->n_cap < 0
+        || v->n_cap > DS4_MAX_CAPTURES)
+        return -3;
+    for (int64_t l = start; l < stop && l < m->n_layers; l++) {
+        const Layer *L = &m->layers[l];
+        if (L->kind != 0 && (L->comp_key < 0 || L->comp_key >= v->n_comp || L->vis_key < 0 || L->vis_key >= v->n_vis))
+            return -3;
+    }
     if (start == 0) {
         int rc = embed(m, v, streams);
         if (rc) return rc;
@@ -142,4 +150,28 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
     rms_norm(h, N, D, m->final_norm, d->rms_eps);
     linear(h, D, N, D, m->lm_head, d->vocab, logits, d->vocab);
     return 0;
+}
+
+/* ---- the binary interface host_decode.py mirrors ---------------------------------------------------
+   The struct sizes and the fixed limits, by name; host_decode.py compares each with its ctypes mirror
+   when it binds the library and refuses a mismatch (a field added on one side only), and takes the
+   limits from here instead of restating them. */
+#define ABI_ENTRIES(X)                                                                            \
+    X(Weight, sizeof(Weight)) X(Dims, sizeof(Dims)) X(Layer, sizeof(Layer)) X(Model, sizeof(Model))   \
+    X(CompView, sizeof(CompView)) X(VisView, sizeof(VisView)) X(Capture, sizeof(Capture))           \
+    X(StepView, sizeof(StepView)) X(Arena, sizeof(Arena)) X(MAX_EXPERTS, DS4_MAX_EXPERTS)            \
+    X(MAX_HC, DS4_MAX_HC) X(MAX_SPAN, DS4_MAX_SPAN) X(MAX_CAPTURES, DS4_MAX_CAPTURES)               \
+    X(MAX_RATIOS, DS4_MAX_RATIOS) X(MAX_GROUP_HEADS, DS4_MAX_GROUP_HEADS)
+#define ABI_NAME(name, value) #name ","
+#define ABI_VALUE(name, value) (int64_t)(value),
+
+/* the names, comma-separated, of the values ds4_abi writes */
+const char *ds4_abi_names(void) { return ABI_ENTRIES(ABI_NAME); }
+
+/* writes up to n values (in ds4_abi_names' order) to out; returns how many there are */
+int64_t ds4_abi(int64_t *out, int64_t n) {
+    static const int64_t values[] = {ABI_ENTRIES(ABI_VALUE)};
+    int64_t count = (int64_t)(sizeof values / sizeof values[0]);
+    for (int64_t i = 0; i < n && i < count; i++) out[i] = values[i];
+    return count;
 }

@@ -16,7 +16,8 @@
             vf b0 = vload(wr), b1 = vload(wr + VW), b2 = vload(wr + 2 * VW), b3 = vload(wr + 3 * VW);    \
             for (int i = 0; i < MR; i++) {                                                               \
                 vf a = vsplat(x[i * ldx + k]);                                                           \
-                acc[i][0] += a * b0; acc[i][1] += a * b1; acc[i][2] += a * b2; acc[i][3] += a * b3;      \
+                acc[i][0] = vfma(a, b0, acc[i][0]); acc[i][1] = vfma(a, b1, acc[i][1]);                  \
+                acc[i][2] = vfma(a, b2, acc[i][2]); acc[i][3] = vfma(a, b3, acc[i][3]);                  \
             }                                                                                            \
         }                                                                                                \
         for (int i = 0; i < MR; i++)                                                                     \
@@ -43,7 +44,7 @@ KN_TILE(6)
             for (int j = 0; j < NV; j++) b[j] = vload(w + k * ldw + j * VW);                              \
             for (int i = 0; i < 6; i++) {                                                                 \
                 vf a = vsplat(x[i * ldx + k]);                                                            \
-                for (int j = 0; j < NV; j++) acc[i][j] += a * b[j];                                       \
+                for (int j = 0; j < NV; j++) acc[i][j] = vfma(a, b[j], acc[i][j]);                        \
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < 6; i++)                                                                       \
@@ -68,7 +69,7 @@ static void kn_tile_narrow(const float *x, int64_t ldx, int mr, int64_t K, const
         const float *wr = w + k * ldw;
         for (int j = 0; j < nv; j++) {
             vf b = vload(wr + j * VW);
-            for (int i = 0; i < mr; i++) acc[i][j] += vsplat(x[i * ldx + k]) * b;
+            for (int i = 0; i < mr; i++) acc[i][j] = vfma(vsplat(x[i * ldx + k]), b, acc[i][j]);
         }
     }
     for (int i = 0; i < mr; i++)
@@ -104,20 +105,21 @@ static void nk_tile(const float *x, int64_t ldx, int mr, int64_t K, const float 
             vf w0 = vload(w + k), w1 = vload(w + ldw + k), w2 = vload(w + 2 * ldw + k), w3 = vload(w + 3 * ldw + k);
             for (int i = 0; i < 4; i++) {
                 vf a = vload(x + i * ldx + k);
-                acc[i][0] += a * w0; acc[i][1] += a * w1; acc[i][2] += a * w2; acc[i][3] += a * w3;
+                acc[i][0] = vfma(a, w0, acc[i][0]); acc[i][1] = vfma(a, w1, acc[i][1]);
+                acc[i][2] = vfma(a, w2, acc[i][2]); acc[i][3] = vfma(a, w3, acc[i][3]);
             }
         }
     } else {
         for (; k < kv; k += VW)
             for (int j = 0; j < nr; j++) {
                 vf b = vload(w + j * ldw + k);
-                for (int i = 0; i < mr; i++) acc[i][j] += vload(x + i * ldx + k) * b;
+                for (int i = 0; i < mr; i++) acc[i][j] = vfma(vload(x + i * ldx + k), b, acc[i][j]);
             }
     }
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
             float s = vsum(acc[i][j]);
-            for (int64_t kk = kv; kk < K; kk++) s += x[i * ldx + kk] * w[j * ldw + kk];
+            for (int64_t kk = kv; kk < K; kk++) s = sfma(x[i * ldx + kk], w[j * ldw + kk], s);
             y[i * ldy + j] = s;
         }
 }
@@ -149,10 +151,10 @@ static void nk_tile(const float *x, int64_t ldx, int mr, int64_t K, const float 
                    b3 = vload(w3 + j * VW);                                                              \
                 for (int i = 0; i < MR; i++) {                                                           \
                     vf acc = vload(y + i * ldy + j * VW);                                                \
-                    acc += a[i][0] * b0;                                                                 \
-                    acc += a[i][1] * b1;                                                                 \
-                    acc += a[i][2] * b2;                                                                 \
-                    acc += a[i][3] * b3;                                                                 \
+                    acc = vfma(a[i][0], b0, acc);                                                        \
+                    acc = vfma(a[i][1], b1, acc);                                                        \
+                    acc = vfma(a[i][2], b2, acc);                                                        \
+                    acc = vfma(a[i][3], b3, acc);                                                        \
                     vstore(y + i * ldy + j * VW, acc);                                                   \
                 }                                                                                        \
             }                                                                                            \
@@ -162,7 +164,7 @@ static void nk_tile(const float *x, int64_t ldx, int mr, int64_t K, const float 
             for (int i = 0; i < MR; i++) {                                                               \
                 vf a = vsplat(x[i * ldx + k]);                                                           \
                 for (int64_t j = 0; j < nv; j++)                                                         \
-                    vstore(y + i * ldy + j * VW, vload(y + i * ldy + j * VW) + a * vload(wr + j * VW)); \
+                    vstore(y + i * ldy + j * VW, vfma(a, vload(wr + j * VW), vload(y + i * ldy + j * VW))); \
             }                                                                                            \
         }                                                                                                \
     }
@@ -244,17 +246,17 @@ static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, 
 static inline float dot(const float *a, const float *b, int64_t n) {
     vf acc = {};
     int64_t k = 0, kv = n - n % VW;
-    for (; k < kv; k += VW) acc += vload(a + k) * vload(b + k);
+    for (; k < kv; k += VW) acc = vfma(vload(a + k), vload(b + k), acc);
     float s = vsum(acc);
-    for (; k < n; k++) s += a[k] * b[k];
+    for (; k < n; k++) s = sfma(a[k], b[k], s);
     return s;
 }
 
 static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y += a x */
     int64_t k = 0, kv = n - n % VW;
     vf va = vsplat(a);
-    for (; k < kv; k += VW) vstore(y + k, vload(y + k) + va * vload(x + k));
-    for (; k < n; k++) y[k] += a * x[k];
+    for (; k < kv; k += VW) vstore(y + k, vfma(va, vload(x + k), vload(y + k)));
+    for (; k < n; k++) y[k] = sfma(a, x[k], y[k]);
 }
 
 /* ---- elementwise blocks (norms.py, rope.py, mhc.py) ------------------------------------------- */
@@ -332,7 +334,7 @@ static void hc_mix_rows(void *c, int64_t lo, int64_t hi) {
     const Dims *d = j->d;
     int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
     for (int64_t t = lo; t < hi; t++) {
-        float *zt = j->z + t * j->zs, pre[16];
+        float *zt = j->z + t * j->zs, pre[DS4_MAX_HC];
         for (int64_t i = 0; i < n_mix; i++) zt[i] = j->base[i] + zt[i] * j->scale[i < hc ? 0 : (i < 2 * hc ? 1 : 2)];
         for (int64_t i = 0; i < hc; i++) {
             pre[i] = sigmoidf(zt[i]) + d->hc_eps;

@@ -7,6 +7,7 @@ typedef struct {
     const float *ape, *norm;
     float *ring, *pool, *snap;
     int64_t ring_rows, width, out_dim;  /* width: C (and Z) channels per token; out_dim: of a pooled row */
+    int64_t pool_rows, snap_rows;
 } Emitter;
 
 struct AttnScratch;
@@ -33,6 +34,7 @@ static void token_states(const Emitter *e, const CompView *cv, const float *xn, 
     linear(xn, D, T, D, e->wkv, w, states, w2);
     linear(xn, D, T, D, e->wgate, w, states + w, w2);
     for (int64_t t = 0; t < T; t++) {
+        BOUND("position", positions[t], INT64_MAX);
         const float *ape = e->ape + (positions[t] % cv->ratio) * w;
         for (int64_t c = 0; c < w; c++) states[t * w2 + w + c] += ape[c];
     }
@@ -45,12 +47,14 @@ static void emit_windows(void *c, int64_t lo, int64_t hi) {
     const Dims *d = &j->m->d;
     int64_t w2 = 2 * e->width, w = e->width, ratio = cv->ratio, od = e->out_dim, span = cv->span;
     int64_t half = d->rope_dim / 2;
+    BOUND("compressor window span", span - 1, DS4_MAX_SPAN);
     for (int64_t k = lo; k < hi; k++) {
+        BOUND("compressed pool row written", cv->emit_rows[k], e->pool_rows);
         float *out = e->pool + cv->emit_rows[k] * od, *rot = j->rot + k * 2 * half;
-        const float *rows[1024];
+        const float *rows[DS4_MAX_SPAN];
         for (int64_t q = 0; q < span; q++)
-            rows[q] = cv->emit_valid[k * span + q] ? row_of(e->ring, j->n_ring, j->states, cv->emit_slots[k * span + q],
-                                                            w2) : NULL;
+            rows[q] = cv->emit_valid[k * span + q] ? row_of(e->ring, e->ring_rows, j->n_ring, j->states, j->v->T,
+                                                            cv->emit_slots[k * span + q], w2) : NULL;
         for (int64_t ch0 = 0; ch0 < od; ch0++) {
             float mx = -INFINITY, s = 0.0f, acc = 0.0f;
             for (int64_t q = 0; q < span; q++) {  /* CSA: first ratio slots "a" halves, the rest "b" halves */
@@ -75,9 +79,9 @@ static void emit_windows(void *c, int64_t lo, int64_t hi) {
 
 /* pool_windows + finish_rows for every closing window: slots from cat(ring, states) (the ring alone
    after this step's writes in decode views), softmax over slots per channel, norm, RoPE, into the pool */
-static void emit_rows(const Model *m, const Emitter *e, const CompView *cv, const float *states, int after,
-                      float *rot_scratch) {
-    RowJob job = {.m = m, .e = e, .cv = cv, .states = states, .rot = rot_scratch,
+static void emit_rows(const Model *m, const StepView *v, const Emitter *e, const CompView *cv, const float *states,
+                      int after, float *rot_scratch) {
+    RowJob job = {.m = m, .v = v, .e = e, .cv = cv, .states = states, .rot = rot_scratch,
                   .n_ring = after ? INT64_MAX : e->ring_rows};
     parallel(cv->E, 4, emit_windows, &job);
 }
@@ -118,6 +122,7 @@ static void csa_queries(void *c, int64_t lo, int64_t hi) {
         float *sc = s->scores + t * R;
         for (int64_t r = 0; r < R; r++) {
             if (!vis->valid[t * R + r]) { sc[r] = -INFINITY; continue; }
+            BOUND("indexer pool row", vis->rows[t * R + r], j->L->idx_pool_rows);
             const float *key = j->L->idx_pool + vis->rows[t * R + r] * di;
             float acc = 0.0f;
             for (int64_t h = 0; h < Hi; h++) {
@@ -146,10 +151,13 @@ typedef struct Keys {  /* where one query's keys live */
     int64_t n_ring, Kw, Kc, hd;
     const int64_t *keys, *crows;
     const uint8_t *valid, *cvalid;
+    int64_t swa_rows, fresh_rows, pool_rows;
 } Keys;
 
 static inline const float *key_row(const Keys *k, int64_t i) {
-    return i < k->Kw ? row_of(k->swa, k->n_ring, k->fresh, k->keys[i], k->hd) : k->pool + k->crows[i - k->Kw] * k->hd;
+    if (i < k->Kw) return row_of(k->swa, k->swa_rows, k->n_ring, k->fresh, k->fresh_rows, k->keys[i], k->hd);
+    BOUND("compressed pool row attended", k->crows[i - k->Kw], k->pool_rows);
+    return k->pool + k->crows[i - k->Kw] * k->hd;
 }
 
 /* heads [0, nh) of one token over its sliding and compressed keys, with the sinks (sink_attention).
@@ -158,7 +166,8 @@ static inline const float *key_row(const Keys *k, int64_t i) {
 static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks, float *probs, int64_t stride,
                    float *out) {
     int64_t n = k->Kw + k->Kc, hd = k->hd;
-    float scale = 1.0f / sqrtf((float)hd), mx[64], denom[64];
+    float scale = 1.0f / sqrtf((float)hd), mx[DS4_MAX_GROUP_HEADS], denom[DS4_MAX_GROUP_HEADS];
+    BOUND("heads in one attention item", nh - 1, DS4_MAX_GROUP_HEADS);
     for (int64_t h = 0; h < nh; h++) mx[h] = sinks[h];
     for (int64_t i = 0; i < n; i++) {
         int ok = i < k->Kw ? k->valid[i] : k->cvalid[i - k->Kw];
@@ -237,22 +246,24 @@ static void compress(const Model *m, const Layer *L, const StepView *v, const fl
     const VisView *vis = &v->vis[L->vis_key];
     int csa = L->kind == 1, after = (int)v->after_write;
     Emitter ce = {L->c_kv, L->c_gate, L->c_ape, L->c_norm, L->comp_ring, L->comp_pool, L->snap_comp,
-                  L->comp_ring_rows, hd * (csa ? 2 : 1), hd};
+                  L->comp_ring_rows, hd * (csa ? 2 : 1), hd, L->comp_pool_rows, L->snap_comp_rows};
     Emitter ie = {L->i_kv, L->i_gate, L->i_ape, L->i_norm, L->idx_ring, L->idx_pool, L->snap_idx,
-                  L->idx_ring_rows, 2 * d->idx_dim, d->idx_dim};
+                  L->idx_ring_rows, 2 * d->idx_dim, d->idx_dim, L->idx_pool_rows, L->snap_idx_rows};
     token_states(&ce, cv, xn, T, d->hidden, v->positions, s->states_c);
     if (csa) token_states(&ie, cv, xn, T, d->hidden, v->positions, s->states_i);
     for (int i = 0; i < 1 + csa; i++) {
         const Emitter *e = i ? &ie : &ce;
         const float *st = i ? s->states_i : s->states_c;
+        Rows ring = {e->ring, e->ring_rows, 2 * e->width}, snap = {e->snap, e->snap_rows, 2 * e->width};
         if (after) {
-            write_ring(e->ring, st, cv->ring_dst, cv->ring_src, cv->M, 2 * e->width);
+            write_ring(ring, st, T, cv->ring_dst, cv->ring_src, cv->M);
         } else {
-            capture(v, cv->span, e->snap, e->ring, st, 2 * e->width);
+            capture(v, cv->span, snap, ring, st);
         }
-        emit_rows(m, e, cv, st, after, s->rot_emit);
+        emit_rows(m, v, e, cv, st, after, s->rot_emit);
     }
     k->pool = L->comp_pool;
+    k->pool_rows = L->comp_pool_rows;
     if (csa) {
         indexer_inputs(m, L, xn, T, s);
         k->Kc = d->idx_topk < vis->R ? d->idx_topk : vis->R;
@@ -296,12 +307,14 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     int64_t T = v->T, D = d->hidden, H = d->n_heads, hd = d->head_dim;
     int after = (int)v->after_write;
     project(m, L, v, xn, s);
+    Rows swa = {L->swa, L->swa_rows, hd}, snap = {L->snap_swa, L->snap_swa_rows, hd};
     if (after) {
-        write_ring(L->swa, s->kv, v->swa_dst, v->swa_src, v->M, hd);
+        write_ring(swa, s->kv, T, v->swa_dst, v->swa_src, v->M);
     } else {
-        capture(v, d->window, L->snap_swa, L->swa, s->kv, hd);
+        capture(v, d->window, snap, swa, s->kv);
     }
-    Keys k0 = {L->swa, s->kv, NULL, after ? INT64_MAX : L->swa_rows, v->Kw, 0, hd, NULL, NULL, NULL, NULL};
+    Keys k0 = {L->swa, s->kv, NULL, after ? INT64_MAX : L->swa_rows, v->Kw, 0, hd, NULL, NULL, NULL, NULL,
+               L->swa_rows, T, 0};
     if (L->kind != 0) compress(m, L, v, xn, s, &k0);
     /* items: (token, group of heads); one group of all heads once there are tokens enough for every
        thread, else the heads split so that a decode row still spreads (at most 64 heads a group) */
@@ -311,11 +324,13 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1, .kc = groups};
     parallel(T * groups, 1, attend_rows, &job);
     if (!after) {  /* prefill: every read of the rings is done; now this forward's rows go in */
-        write_ring(L->swa, s->kv, v->swa_dst, v->swa_src, v->M, hd);
+        write_ring(swa, s->kv, T, v->swa_dst, v->swa_src, v->M);
         if (L->kind != 0) {
             const CompView *cv = &v->comp[L->comp_key];
-            write_ring(L->comp_ring, s->states_c, cv->ring_dst, cv->ring_src, cv->M, 2 * hd * (L->kind == 1 ? 2 : 1));
-            if (L->kind == 1) write_ring(L->idx_ring, s->states_i, cv->ring_dst, cv->ring_src, cv->M, 4 * d->idx_dim);
+            Rows comp = {L->comp_ring, L->comp_ring_rows, 2 * hd * (L->kind == 1 ? 2 : 1)},
+                 idx = {L->idx_ring, L->idx_ring_rows, 4 * d->idx_dim};
+            write_ring(comp, s->states_c, T, cv->ring_dst, cv->ring_src, cv->M);
+            if (L->kind == 1) write_ring(idx, s->states_i, T, cv->ring_dst, cv->ring_src, cv->M);
         }
     }
     parallel(T, 16, unrope_rows, &job);
@@ -347,7 +362,7 @@ static void route(const Model *m, const Layer *L, const float *xn, const int64_t
     int64_t E = d->n_experts, k = d->top_k, ls = L->gate.kn ? padded(E) : E;
     linear(xn, d->hidden, T, d->hidden, L->gate, E, s->logits, ls);
     for (int64_t t = 0; t < T; t++) {
-        float *sc = s->logits + t * ls, sel[512];
+        float *sc = s->logits + t * ls, sel[DS4_MAX_EXPERTS];
         if (d->scoring == 0) {
             float mx = sc[0], sum = 0.0f;
             for (int64_t e = 1; e < E; e++) mx = sc[e] > mx ? sc[e] : mx;
@@ -361,7 +376,10 @@ static void route(const Model *m, const Layer *L, const float *xn, const int64_t
         int image = is_image && is_image[t] && L->bias_vl;
         if (L->tid2eid && !image) {
             int64_t id = ids[t] < 0 ? 0 : (ids[t] >= L->tid2eid_rows ? L->tid2eid_rows - 1 : ids[t]);
-            for (int64_t j = 0; j < k; j++) idx[j] = L->tid2eid[id * k + j];
+            for (int64_t j = 0; j < k; j++) {
+                idx[j] = L->tid2eid[id * k + j];
+                BOUND("tid2eid expert id", idx[j], E);  /* weights.py refuses such a table at load */
+            }
         } else {
             const float *bias = image ? L->bias_vl : L->gate_bias;
             for (int64_t e = 0; e < E; e++) sel[e] = sc[e] + (bias ? bias[e] : 0.0f);
@@ -427,7 +445,7 @@ static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, 
     memset(s->counts, 0, (size_t)(E + 1) * 8);
     for (int64_t p = 0; p < P; p++) s->counts[s->idx[p] + 1]++;
     for (int64_t e = 0; e < E; e++) s->counts[e + 1] += s->counts[e];  /* start of each expert's pairs */
-    int64_t fill[1024];
+    int64_t fill[DS4_MAX_EXPERTS];
     for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
     for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
     for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);

@@ -90,7 +90,7 @@ static void q_tile(const float *x, int64_t ldx, int mr, const QStack *q, int64_t
             const float *xb = x + i * ldx + b * 32;
             for (int v = 0; v < 32 / VW; v++) {
                 vf a = vload(xb + v * VW);
-                for (int j = 0; j < nr; j++) acc[i][j] += a * w[j][v];
+                for (int j = 0; j < nr; j++) acc[i][j] = vfma(a, w[j][v], acc[i][j]);
             }
         }
     }

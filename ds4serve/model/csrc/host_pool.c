@@ -21,14 +21,18 @@ typedef void (*range_fn)(void *ctx, int64_t lo, int64_t hi);
 #define SPIN_ROUNDS 4000    /* ~0.1 ms of polling before a worker sleeps */
 #define WAIT_SPINS 256      /* the caller's polling for a claimed chunk before it yields its core */
 
+/* the claim word: generation, the loop's chunk count and its next unclaimed chunk, so that a thread
+   decides whether there is work from this one atomic alone (chunks <= 8 x POOL_MAX < 2^16) */
+#define CLAIM(g, n, i) (((uint64_t)(g) << 32) | ((uint64_t)(n) << 16) | (uint64_t)(i))
+
 typedef struct {
-    _Atomic uint64_t claim;   /* (generation << 32) | next unclaimed chunk */
+    _Atomic uint64_t claim;   /* CLAIM(generation, chunks, next unclaimed chunk) */
     _Atomic int64_t done;     /* chunks finished in the current generation */
     _Atomic uint32_t gen;     /* the published generation */
     _Atomic int sleepers, quit;
-    range_fn fn;              /* the loop of the current generation (written before gen is bumped) */
+    range_fn fn;              /* the loop of the current generation (written before its claim word) */
     void *ctx;
-    int64_t n_items, n_chunks;
+    int64_t n_items;
     int n_workers;
     pthread_t threads[POOL_MAX];
     pthread_mutex_t mu, busy;
@@ -47,17 +51,18 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* run chunks of generation g until none is left; returns when this thread found nothing to claim */
+/* run chunks of generation g until none is left; returns when this thread found nothing to claim.
+   The loop's fields are read only after a claim succeeded: the caller wrote them before it published
+   g's claim word (which the successful compare-and-swap read), and cannot write the next loop's before
+   this chunk is counted done, so a late worker never reads fields while they are being written. */
 static void pool_claim(Pool *p, uint32_t g) {
-    range_fn fn = p->fn;
-    void *ctx = p->ctx;
-    int64_t n = p->n_chunks, items = p->n_items;
     for (;;) {
         uint64_t s = atomic_load(&p->claim);
-        int64_t i = (int64_t)(s & 0xffffffffu);
+        int64_t i = (int64_t)(s & 0xffff), n = (int64_t)((s >> 16) & 0xffff);
         if ((uint32_t)(s >> 32) != g || i >= n) return;
         if (!atomic_compare_exchange_weak(&p->claim, &s, s + 1)) continue;
-        fn(ctx, i * items / n, (i + 1) * items / n);  /* a claimed chunk of g: g's loop is still live */
+        int64_t items = p->n_items;
+        p->fn(p->ctx, i * items / n, (i + 1) * items / n);
         atomic_fetch_add(&p->done, 1);
     }
 }
@@ -110,6 +115,7 @@ static int pool_resize(Pool *p, int workers) {
 static void parallel(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
     int64_t chunks = grain > 0 ? n_items / grain : n_items;
     if (chunks > 8 * (int64_t)g_threads) chunks = 8 * (int64_t)g_threads;
+    if (chunks > 0xffff) chunks = 0xffff;  /* what the claim word holds */
     if (g_threads <= 1 || chunks < 2 || pthread_mutex_trylock(&g_pool.busy) != 0) {
         if (n_items > 0) fn(ctx, 0, n_items);
         return;
@@ -121,15 +127,12 @@ static void parallel(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
         return;
     }
     uint32_t g = atomic_load(&p->gen) + 1;
-    /* close the last generation first: a late worker may still hold its generation number with this
-       loop's fields half written, and must find nothing to claim */
-    atomic_store(&p->claim, ((uint64_t)(g - 1) << 32) | 0xffffffffu);
+    /* every chunk of the last loop was claimed and done, so no thread reads these fields now */
     p->fn = fn;
     p->ctx = ctx;
     p->n_items = n_items;
-    p->n_chunks = chunks;
     atomic_store(&p->done, 0);
-    atomic_store(&p->claim, (uint64_t)g << 32);
+    atomic_store(&p->claim, CLAIM(g, chunks, 0));
     atomic_store(&p->gen, g);
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
