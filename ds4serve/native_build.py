@@ -45,6 +45,15 @@ def build_library(root: Path, name: str, source: str, flags: list[str], libs: li
     return out
 
 
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+
+
+def sanitized(flags: list[str], on: bool) -> list[str]:
+    """``flags`` plus AddressSanitizer and UndefinedBehaviorSanitizer when ``on`` (``config.native_build``:
+    ``DS4SERVE_NATIVE_SANITIZE=1``, run by ``scripts/sanitize.sh``, which preloads their runtime)."""
+    return flags + SANITIZE_FLAGS if on else flags
+
+
 def cpu_key() -> str:
     """What ``-march=native`` tunes for: the CPU's model and feature flags (the cache may be shared)."""
     try:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import cache_root
+from ..config import cache_root, native_build
 from ..model.batch import BatchView, CompressIndex, VisibleRows
-from ..native_build import OnceLibrary, build_library
+from ..native_build import OnceLibrary, build_library, sanitized
 from .layout import StateLayout
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class _Out(ctypes.Structure):
 
 
 def _load() -> ctypes.CDLL:
-    path = build_library(cache_root() / "native", "view", _SOURCE.read_text(), ["-O2", "-fPIC", "-shared"], [])
+    flags = sanitized(["-O2", "-fPIC", "-shared"], native_build().sanitize)
+    path = build_library(cache_root() / "native", "view", _SOURCE.read_text(), flags, [])
     lib = ctypes.CDLL(str(path))
     lib.ds4_text_view.argtypes = [POINTER(_In), POINTER(_Out)]
     lib.ds4_text_view.restype = c_int

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..config import AttnKind, ModelConfig, NativeBuild, cache_root, native_build
-from ..native_build import OnceLibrary, build_library, cpu_key
+from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from .batch import BatchView, LayerState
 from .packed import PackedExperts
 
@@ -41,7 +41,6 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / f"host_{part}.c"
 # is fused (vfma / sfma in host_base.c), so every path that promises the same bits rounds the same way on
 # every instruction set (with GCC's default contraction, rows of one batch differed on an AVX2 CPU)
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
-_SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
 SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostDecoder._weight)
 # the C's fixed array lengths the ctypes mirrors below need at class definition; checked against the
 # library's own (ds4_abi) when it is bound, like every struct size
@@ -132,7 +131,7 @@ def _attempts(build: NativeBuild) -> list[list[str]]:
 def _load() -> ctypes.CDLL:
     """Built for the target ``config.native_build()`` names (each failed attempt's error kept)."""
     build = native_build()
-    extra = (["-DDS4_CHECK"] if build.check else []) + (_SANITIZE_FLAGS if build.sanitize else [])
+    extra = sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
     source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
     errors = []
     for march in _attempts(build):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import cache_root
-from ..native_build import OnceLibrary, build_library
+from ..config import cache_root, native_build
+from ..native_build import OnceLibrary, build_library, sanitized
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ enabled = True  # tests switch this off to compare against the torch form
 
 def _build(root: Path) -> Path:
     """Compile the source into ``root/<hash>/kernels.so`` unless it is already there."""
-    return build_library(root, "kernels", _SOURCE, _FLAGS, _LIBS)
+    return build_library(root, "kernels", _SOURCE, sanitized(_FLAGS, native_build().sanitize), _LIBS)
 
 
 def _load() -> ctypes.CDLL:
