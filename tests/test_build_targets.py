@@ -105,3 +105,18 @@ def test_the_start_up_log_names_the_target(ckpt_factory, caplog):
     assert llm.core.engine.host is not None
     line = next(r.getMessage() for r in caplog.records if "native host forward on" in r.getMessage())
     assert f"built for {host_decode.description()}" in line and "-march=native" in line and "contraction off" in line
+
+
+@pytest.mark.parametrize("flags", [["-march=native"], ["-march=x86-64-v2", "-Wno-psabi"], ["-march=native", "-DDS4_CHECK"]],
+                         ids=["native", "no-fma", "checked"])
+def test_the_c_compiles_without_warnings(flags):
+    """-Wall -Wextra as errors, for every C part and build kind: an implicit declaration (ldexpf without
+    math.h compiled to a call returning int under older rules) or an unused bound is a bug waiting."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    csrc = ROOT / "ds4serve" / "model" / "csrc"
+    for path in (csrc / "host.c", csrc / "kernels.c", ROOT / "ds4serve" / "cache" / "csrc" / "view.c"):
+        done = subprocess.run([cc, *flags, "-Wall", "-Wextra", "-Werror", "-fsyntax-only", f"-I{csrc}", str(path)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"{path.name} with {' '.join(flags)}:\n{done.stderr[-3000:]}"

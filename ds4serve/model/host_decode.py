@@ -34,11 +34,10 @@ from .packed import PackedExperts
 
 log = logging.getLogger(__name__)
 
-# one translation unit, in this order (see host_base.c)
-_SOURCES = tuple(Path(__file__).with_name("csrc") / f"host_{part}.c"
-                 for part in ("base", "pool", "kernels", "packed", "layers", "forward"))
+# one translation unit: csrc/host.c includes host.h and the parts (the map is in host.h)
+_CSRC = Path(__file__).with_name("csrc")
 # -ffp-contract=off: the compiler never fuses a * b + c on its own; the source says where a multiply-add
-# is fused (vfma / sfma in host_base.c), so every path that promises the same bits rounds the same way on
+# is fused (vfma / sfma in csrc/host.h), so every path that promises the same bits rounds the same way on
 # every instruction set (with GCC's default contraction, rows of one batch differed on an AVX2 CPU)
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostDecoder._weight)
@@ -132,12 +131,13 @@ def _load() -> ctypes.CDLL:
     """Built for the target ``config.native_build()`` names (each failed attempt's error kept)."""
     build = native_build()
     extra = sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
-    source = "\n".join(f"/* ---- {p.name} ---- */\n{p.read_text()}" for p in _SOURCES)
+    source = (_CSRC / "host.c").read_text()
+    included = "".join(p.read_text() for p in sorted(_CSRC.glob("host*")))  # any edit to a part rebuilds
     errors = []
     for march in _attempts(build):
         try:
-            path = build_library(cache_root() / "native", "host_decode", source, _BASE_FLAGS + march + extra, ["-lm"],
-                                 key=cpu_key())
+            path = build_library(cache_root() / "native", "host_decode", source,
+                                 _BASE_FLAGS + [f"-I{_CSRC}"] + march + extra, ["-lm"], key=cpu_key() + included)
             lib = _bind(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError) as exc:
             errors.append(f"{' '.join(march) or 'baseline'}: {exc}")

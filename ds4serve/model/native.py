@@ -8,7 +8,7 @@ normaliser is ``eps + the in-order sum``, which is what ``baddbmm(eps, ones, m)`
 reassociation, no contraction), and a test checks the two are bit-equal.
 
 Also MXFP4 dequantisation for packed experts (``packed.py``), one C loop instead of a table gather
-over an int32 copy of the codes. The C source lives here; it is compiled on first use into ``cache_root()/native/<hash>/`` (about
+over an int32 copy of the codes. The C source is csrc/kernels.c; it is compiled on first use into ``cache_root()/native/<hash>/`` (about
 0.1 s: no torch headers), so a restart, or another process, loads the built library. Where no C
 compiler exists or the build fails, the torch form is used, and that is logged once.
 """
@@ -26,72 +26,7 @@ from ..native_build import OnceLibrary, build_library, sanitized
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-/* Sinkhorn on n row-major hc x hc fp32 matrices, in place: one column pass, then iters - 1
-   (row, column) pairs. Each normaliser is eps + the in-order sum of hc entries. */
-void ds4_sinkhorn_f32(float *m, long n, long hc, long iters, float eps) {
-    for (long b = 0; b < n; b++) {
-        float *x = m + b * hc * hc;
-        for (long it = 0; it < iters; it++) {
-            if (it > 0) {
-                for (long i = 0; i < hc; i++) {
-                    float s = 0.0f;
-                    for (long j = 0; j < hc; j++) s += x[i * hc + j];
-                    float d = eps + s;
-                    for (long j = 0; j < hc; j++) x[i * hc + j] = x[i * hc + j] / d;
-                }
-            }
-            for (long j = 0; j < hc; j++) {
-                float s = 0.0f;
-                for (long i = 0; i < hc; i++) s += x[i * hc + j];
-                float d = eps + s;
-                for (long i = 0; i < hc; i++) x[i * hc + j] = x[i * hc + j] / d;
-            }
-        }
-    }
-}
-
-/* Rotary embedding in place on the last 2 * half channels of x [n, h, dim] (contiguous), with
-   rot [n, half, 2] = (cos, sin): the pair (a, b) becomes (a c - b s, a s + b c), which is the
-   arithmetic of torch's complex multiply (s negated for the inverse rotation). */
-void ds4_rope_f32(float *x, const float *rot, long n, long h, long dim, long half, int inverse) {
-    for (long i = 0; i < n; i++) {
-        const float *r = rot + i * half * 2;
-        for (long k = 0; k < h; k++) {
-            float *p = x + (i * h + k) * dim + (dim - 2 * half);
-            for (long j = 0; j < half; j++) {
-                float a = p[2 * j], b = p[2 * j + 1], c = r[2 * j], d = inverse ? -r[2 * j + 1] : r[2 * j + 1];
-                p[2 * j] = a * c - b * d;
-                p[2 * j + 1] = a * d + b * c;
-            }
-        }
-    }
-}
-
-/* MXFP4 dequantisation: codes [rows, half] (two E2M1 codes per byte, the low nibble first) times
-   2^(scale byte - 127) per block of inputs, into out [rows, 2 * half]; each output is one table value
-   times its block's power of two (one fp32 product, as the torch form computes it). */
-void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long half,
-                   long block) {
-    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    float pairs[512]; /* byte -> (low nibble's value, high nibble's value) */
-    for (int b = 0; b < 256; b++) { pairs[2 * b] = lut[b & 15]; pairs[2 * b + 1] = lut[b >> 4]; }
-    long n_blocks = 2 * half / block, per = block / 2;
-    for (long r = 0; r < rows; r++) {
-        const unsigned char *c = codes + r * half;
-        float *o = out + r * 2 * half;
-        for (long b = 0; b < n_blocks; b++) {
-            float s = ldexpf(1.0f, (int)scales[r * n_blocks + b] - 127);
-            for (long j = b * per; j < (b + 1) * per; j++) {
-                const float *p = pairs + 2 * c[j];
-                o[2 * j] = p[0] * s;
-                o[2 * j + 1] = p[1] * s;
-            }
-        }
-    }
-}
-"""
+_SOURCE = Path(__file__).with_name("csrc") / "kernels.c"
 # IEEE arithmetic exactly as written: no fast-math, no fused multiply-add contraction
 _FLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 _LIBS = ["-lm"]
@@ -101,7 +36,7 @@ enabled = True  # tests switch this off to compare against the torch form
 
 def _build(root: Path) -> Path:
     """Compile the source into ``root/<hash>/kernels.so`` unless it is already there."""
-    return build_library(root, "kernels", _SOURCE, sanitized(_FLAGS, native_build().sanitize), _LIBS)
+    return build_library(root, "kernels", _SOURCE.read_text(), sanitized(_FLAGS, native_build().sanitize), _LIBS)
 
 
 def _load() -> ctypes.CDLL:

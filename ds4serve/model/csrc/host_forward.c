@@ -1,4 +1,6 @@
-/* The step: scratch layout, the layer loop, embedding, entry points (see host_base.c). */
+/* The step: scratch layout, the layer loop, embedding, entry points (see host.h). */
+#include "host.h"
+
 
 /* ---- the step --------------------------------------------------------------------------------- */
 

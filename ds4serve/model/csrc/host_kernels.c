@@ -1,5 +1,6 @@
-/* Products and elementwise blocks of the host forward (part of the one translation unit host_decode.py
-   builds: host_base.c, host_pool.c, host_kernels.c, host_layers.c, host_forward.c). */
+/* Products and elementwise blocks of the host forward (part of host.c; see host.h). */
+#include "host.h"
+
 
 /* ---- products --------------------------------------------------------------------------------- */
 

@@ -1,4 +1,6 @@
-/* The layer blocks of the host forward: compressor, attention, mixture of experts (see host_base.c). */
+/* The layer blocks of the host forward: compressor, attention, mixture of experts (see host.h). */
+#include "host.h"
+
 
 /* ---- compressor (compressor.py token_states / pool_windows / finish_rows) ------------------------ */
 

@@ -1,4 +1,4 @@
-/* Products over routed experts kept packed in MXFP4 (part of the one translation unit; see host_base.c).
+/* Products over routed experts kept packed in MXFP4 (part of host.c; see host.h).
 
    Why: a DS4-Flash checkpoint's routed experts are 277B of its 284B parameters. Dequantised to fp32
    they need 7.5x the bytes of their MXFP4 form (4 bits a value + one exponent byte per 32), so a step
@@ -13,6 +13,8 @@
    odd inputs' weights (low and high nibbles), so the input rows are first reordered the same way within
    each block (qperm_rows): even inputs of the block, then odd, in runs of VW. Each row's sums run in a
    fixed order whatever else is in the batch. */
+#include "host.h"
+
 
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint8_t vb __attribute__((vector_size(VW)));

@@ -1,4 +1,4 @@
-/* A work-claiming thread pool for the host forward (see host_base.c).
+/* A work-claiming thread pool for the host forward (see host.h).
 
    Why not OpenMP: an OpenMP parallel region ends in a barrier every thread must reach. In a server the
    other core is shared with the HTTP thread and the clients, so a worker is often descheduled for a
@@ -11,6 +11,8 @@
    Workers spin briefly for the next loop (a forward issues them microseconds apart), then sleep on a
    condition variable (between steps). One caller at a time: a second thread calling in while the
    pool is busy runs its loop alone. */
+#include "host.h"
+
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>

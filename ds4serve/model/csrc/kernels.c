@@ -1,0 +1,74 @@
+/* Small kernels the torch forward calls on the host (model/native.py builds and binds them): mHC's
+   Sinkhorn and MXFP4 dequantisation (bit-equal to their torch forms) and RoPE (within fp32 rounding).
+
+   Why built apart from the host forward (host.c), with other flags: these must equal their torch forms
+   on every CPU, and they are not where the time goes, so they are built -O2 without -march
+   (no target-dependent vector width or FMA) and with contraction off; the host forward is built for the
+   CPU (-O3 -march=native) because its products are the time, and it promises equality only between its
+   own paths (see host.h). */
+#include <math.h>
+
+/* Sinkhorn on n row-major hc x hc fp32 matrices, in place: one column pass, then iters - 1
+   (row, column) pairs. Each normaliser is eps + the in-order sum of hc entries. */
+void ds4_sinkhorn_f32(float *m, long n, long hc, long iters, float eps) {
+    for (long b = 0; b < n; b++) {
+        float *x = m + b * hc * hc;
+        for (long it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (long i = 0; i < hc; i++) {
+                    float s = 0.0f;
+                    for (long j = 0; j < hc; j++) s += x[i * hc + j];
+                    float d = eps + s;
+                    for (long j = 0; j < hc; j++) x[i * hc + j] = x[i * hc + j] / d;
+                }
+            }
+            for (long j = 0; j < hc; j++) {
+                float s = 0.0f;
+                for (long i = 0; i < hc; i++) s += x[i * hc + j];
+                float d = eps + s;
+                for (long i = 0; i < hc; i++) x[i * hc + j] = x[i * hc + j] / d;
+            }
+        }
+    }
+}
+
+/* Rotary embedding in place on the last 2 * half channels of x [n, h, dim] (contiguous), with
+   rot [n, half, 2] = (cos, sin): the pair (a, b) becomes (a c - b s, a s + b c), which is the
+   arithmetic of torch's complex multiply (s negated for the inverse rotation). */
+void ds4_rope_f32(float *x, const float *rot, long n, long h, long dim, long half, int inverse) {
+    for (long i = 0; i < n; i++) {
+        const float *r = rot + i * half * 2;
+        for (long k = 0; k < h; k++) {
+            float *p = x + (i * h + k) * dim + (dim - 2 * half);
+            for (long j = 0; j < half; j++) {
+                float a = p[2 * j], b = p[2 * j + 1], c = r[2 * j], d = inverse ? -r[2 * j + 1] : r[2 * j + 1];
+                p[2 * j] = a * c - b * d;
+                p[2 * j + 1] = a * d + b * c;
+            }
+        }
+    }
+}
+
+/* MXFP4 dequantisation: codes [rows, half] (two E2M1 codes per byte, the low nibble first) times
+   2^(scale byte - 127) per block of inputs, into out [rows, 2 * half]; each output is one table value
+   times its block's power of two (one fp32 product, as the torch form computes it). */
+void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long half,
+                   long block) {
+    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    float pairs[512]; /* byte -> (low nibble's value, high nibble's value) */
+    for (int b = 0; b < 256; b++) { pairs[2 * b] = lut[b & 15]; pairs[2 * b + 1] = lut[b >> 4]; }
+    long n_blocks = 2 * half / block, per = block / 2;
+    for (long r = 0; r < rows; r++) {
+        const unsigned char *c = codes + r * half;
+        float *o = out + r * 2 * half;
+        for (long b = 0; b < n_blocks; b++) {
+            float s = ldexpf(1.0f, (int)scales[r * n_blocks + b] - 127);
+            for (long j = b * per; j < (b + 1) * per; j++) {
+                const float *p = pairs + 2 * c[j];
+                o[2 * j] = p[0] * s;
+                o[2 * j + 1] = p[1] * s;
+            }
+        }
+    }
+}
