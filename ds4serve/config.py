@@ -175,54 +175,97 @@ def _req_float(d: dict, key: str, default: float | None = None) -> float:
     return float(value)
 
 
-def _parse_attention_layout(d: dict, n_layers: int) -> tuple[tuple[AttnKind, ...], tuple[int, ...]]:
-    """Per-layer attention kind and compress ratio from either dialect."""
+def _parse_attention_layout(d: dict, n_layers: int,
+                            max_positions: int) -> tuple[tuple[AttnKind, ...], tuple[int, ...]]:
+    """Per-layer attention kind and compress ratio from either dialect. Every ratio is checked here
+    (``_check_ratio``), naming the config key it came from: the native forward and the page layout
+    take them as given."""
     if d.get("layer_types") is not None:
-        types = d["layer_types"]
-        if not isinstance(types, list):
-            raise ConfigError("config field 'layer_types' must be a list")
-        rates = dict(_RATIO_DEFAULTS)
-        for key, value in (d.get("compress_rates") or {}).items():
-            try:
-                kind = AttnKind(key)
-            except ValueError as exc:
-                raise ConfigError(f"config field 'compress_rates' has unknown key {key!r}") from exc
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"config field 'compress_rates.{key}' must be a positive integer")
-            rates[kind] = value
-        for legacy, kind in (("compress_rate_csa", AttnKind.CSA), ("compress_rate_hca", AttnKind.HCA)):
-            if d.get(legacy) is not None:
-                rates[kind] = _req_int(d, legacy)
-        kinds = []
-        for i, t in enumerate(types[:n_layers]):
-            try:
-                kinds.append(AttnKind(t))
-            except ValueError as exc:
-                allowed = [k.value for k in AttnKind]
-                raise ConfigError(f"config field 'layer_types[{i}]' = {t!r} is not one of {allowed}") from exc
-        ratios = [0 if k is AttnKind.SLIDING else rates[k] for k in kinds]
+        kinds, ratios = _hf_layout(d, n_layers, max_positions)
     elif d.get("compress_ratios") is not None:
-        # Official dialect: 0 = sliding, 4 = CSA (overlap + indexer, as in the reference's
-        # `overlap = ratio == 4`), any other positive ratio = HCA. Extra entries are MTP layers.
-        ratios = list(d["compress_ratios"])[:n_layers]
-        kinds = []
-        for i, r in enumerate(ratios):
-            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-                raise ConfigError(f"config field 'compress_ratios[{i}]' must be a non-negative integer, got {r!r}")
-            kinds.append(AttnKind.SLIDING if r == 0 else AttnKind.CSA if r == 4 else AttnKind.HCA)
+        kinds, ratios = _official_layout(d, n_layers, max_positions)
     else:
         # HF default (V4-Pro pattern): 2x HCA, then alternating CSA / HCA.
         kinds = [AttnKind.HCA] * min(n_layers, 2) + [
             AttnKind.CSA if i % 2 else AttnKind.HCA for i in range(max(n_layers - 2, 0))
         ]
         ratios = [_RATIO_DEFAULTS[k] for k in kinds]
+        for k in set(kinds):
+            _check_ratio(f"compress_rates.{k.value} (not given: the default)", _RATIO_DEFAULTS[k], max_positions)
     if len(kinds) != n_layers:
         field_name = "layer_types" if d.get("layer_types") is not None else "compress_ratios"
         raise ConfigError(f"config field '{field_name}' has {len(kinds)} entries for {n_layers} layers")
-    for i, (k, r) in enumerate(zip(kinds, ratios)):
-        if k is AttnKind.CSA and r < 2:
-            raise ConfigError(f"layer {i}: CSA compress ratio must be >= 2, got {r}")
     return tuple(kinds), tuple(ratios)
+
+
+def _hf_layout(d: dict, n_layers: int, max_positions: int) -> tuple[list[AttnKind], list[int]]:
+    """HF dialect: ``layer_types`` per layer, one rate per compressed kind (``compress_rates``)."""
+    types = d["layer_types"]
+    if not isinstance(types, list):
+        raise ConfigError("config field 'layer_types' must be a list")
+    rates = _hf_rates(d, max_positions)
+    kinds = []
+    for i, t in enumerate(types[:n_layers]):
+        try:
+            kinds.append(AttnKind(t))
+        except ValueError as exc:
+            allowed = [k.value for k in AttnKind]
+            raise ConfigError(f"config field 'layer_types[{i}]' = {t!r} is not one of {allowed}") from exc
+    return kinds, [0 if k is AttnKind.SLIDING else rates[k] for k in kinds]
+
+
+def _hf_rates(d: dict, max_positions: int) -> dict[AttnKind, int]:
+    """The compress rate of each compressed kind: the defaults, ``compress_rates``, then the legacy
+    ``compress_rate_csa`` / ``compress_rate_hca``; each one given is checked (``_check_ratio``)."""
+    rates = dict(_RATIO_DEFAULTS)
+    for key, value in (d.get("compress_rates") or {}).items():
+        try:
+            kind = AttnKind(key)
+        except ValueError as exc:
+            raise ConfigError(f"config field 'compress_rates' has unknown key {key!r}") from exc
+        if kind is AttnKind.SLIDING:
+            if value != 0 or isinstance(value, bool):
+                raise ConfigError(f"config field 'compress_rates.{key}' = {value!r}: sliding layers have no "
+                                  "compressor, so their rate must be 0 (or left out)")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config field 'compress_rates.{key}' must be an integer, got {value!r}")
+        _check_ratio(f"compress_rates.{key}", value, max_positions)
+        rates[kind] = value
+    for legacy, kind in (("compress_rate_csa", AttnKind.CSA), ("compress_rate_hca", AttnKind.HCA)):
+        if d.get(legacy) is not None:
+            rates[kind] = _req_int(d, legacy, minimum=0)
+            _check_ratio(legacy, rates[kind], max_positions)
+    return rates
+
+
+def _official_layout(d: dict, n_layers: int, max_positions: int) -> tuple[list[AttnKind], list[int]]:
+    """Official dialect: 0 = sliding, 4 = CSA (overlap + indexer, as in the reference's
+    ``overlap = ratio == 4``), any other ratio = HCA. Extra entries are MTP layers."""
+    ratios = list(d["compress_ratios"])[:n_layers]
+    kinds = []
+    for i, r in enumerate(ratios):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"config field 'compress_ratios[{i}]' must be a non-negative integer, got {r!r}")
+        if r:
+            _check_ratio(f"compress_ratios[{i}]", r, max_positions)
+        kinds.append(AttnKind.SLIDING if r == 0 else AttnKind.CSA if r == 4 else AttnKind.HCA)
+    return kinds, ratios
+
+
+# A compressed layer's ratio sizes its compressor window (2 x ratio slots for CSA, arrays of the native
+# forward) and the page (the LCM of the ratios), so it is refused here rather than trusted: 1 would
+# compress nothing, and a ratio past the longest sequence would never emit a row.
+MIN_COMPRESS_RATIO = 2
+
+
+def _check_ratio(key: str, ratio: int, max_positions: int) -> None:
+    """A compressed layer's ratio must be in [MIN_COMPRESS_RATIO, max_position_embeddings]."""
+    if not MIN_COMPRESS_RATIO <= ratio <= max_positions:
+        raise ConfigError(
+            f"config field '{key}' = {ratio}: a compressed layer's ratio must be in [{MIN_COMPRESS_RATIO}, "
+            f"max_position_embeddings = {max_positions}] (0 = a sliding-only layer; DeepSeek-V4 uses 4 for CSA "
+            "and 128 for HCA)")
 
 
 def _parse_hash_layers(d: dict, n_layers: int) -> tuple[bool, ...]:
@@ -362,8 +405,9 @@ def _check_consistent(d: dict, heads: int, o_groups: int, scoring: str, n_expert
         raise ConfigError(f"config field 'o_groups' ({o_groups}) must divide num_attention_heads ({heads})")
     if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
         raise ConfigError(f"config field 'scoring_func' = {scoring!r} is not supported")
-    if top_k > n_experts:
-        raise ConfigError(f"config field 'num_experts_per_tok' ({top_k}) exceeds n_routed_experts ({n_experts})")
+    if top_k > n_experts:  # routing picks top_k distinct experts: at most all of them
+        raise ConfigError(f"config field 'num_experts_per_tok' = {top_k} must be in [1, n_routed_experts = "
+                          f"{n_experts}]")
     if any(k is AttnKind.CSA for k in kinds) and rope_dim > index_head_dim:
         raise ConfigError(f"config field 'index_head_dim' ({index_head_dim}) must be >= qk_rope_head_dim ({rope_dim})")
 
@@ -376,7 +420,8 @@ def _parse(d: dict) -> ModelConfig:
     heads = _req_int(d, "num_attention_heads", 64)
     head_dim = _req_int(d, "head_dim", 512)
     o_groups = _req_int(d, "o_groups", 8)
-    kinds, ratios = _parse_attention_layout(d, n_layers)
+    max_positions = _req_int(d, "max_position_embeddings", 1048576)
+    kinds, ratios = _parse_attention_layout(d, n_layers, max_positions)
     main, compress = _parse_rope(d)
     scoring = d.get("scoring_func", "sqrtsoftplus")
     n_experts = _req_int(d, "n_routed_experts", 256)
@@ -416,7 +461,7 @@ def _parse(d: dict) -> ModelConfig:
         hc_sinkhorn_iters=_req_int(d, "hc_sinkhorn_iters", 20),
         hc_eps=_req_float(d, "hc_eps", 1e-6),
         rms_norm_eps=_req_float(d, "rms_norm_eps", 1e-6),
-        max_position_embeddings=_req_int(d, "max_position_embeddings", 1048576),
+        max_position_embeddings=max_positions,
         bos_token_id=d.get("bos_token_id", 0),
         eos_token_ids=_parse_eos(d),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

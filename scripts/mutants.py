@@ -109,6 +109,9 @@ MUTANTS = [
     Mutant("n13", "native bounds: an expert id from the hash table is not checked",
            "ds4serve/model/csrc/host_layers.c", '                BOUND("tid2eid expert id", idx[j], E);', "",
            ("tests/test_native_bounds.py",)),
+    Mutant("v1", "load: the hash-routing table's expert ids are not range-checked", "ds4serve/model/weights.py",
+           "    bad = (values < 0) | (values >= table.bound)", "    bad = torch.zeros_like(values, dtype=torch.bool)",
+           ("tests/test_checkpoint_validation.py",)),
 ]
 
 

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import AttnKind, ModelConfig
 from .decoder import DS4ForCausalLM
 from . import triton_experts
 from .packed import PackedExperts
 from .rope import inverse_frequencies
 from .sharding import ShardPlan, shard_model
 from .vision import VisionEncoder, expected_vision_tensors
-from .weights import load_state_dict
+from .weights import IndexTable, load_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,66 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
+def index_tables(cfg: ModelConfig) -> dict[str, IndexTable]:
+    """The checkpoint tensors whose values are indices, with the range each must lie in: the hash
+    layers' ``tid2eid`` (token id -> ``num_experts_per_tok`` routed expert ids)."""
+    return {f"model.layers.{i}.mlp.gate.tid2eid": IndexTable(
+        cfg.n_routed_experts,
+        f"layer {i}'s hash-routing table holds one row per token id (vocab_size = {cfg.vocab_size}) of "
+        f"num_experts_per_tok = {cfg.n_experts_per_tok} expert ids, each in [0, n_routed_experts = "
+        f"{cfg.n_routed_experts})") for i, is_hash in enumerate(cfg.hash_layers) if is_hash}
+
+
+_COMPRESSOR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.compressor\.(indexer\.)?")
+_WINDOW_TABLE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.compressor\.(indexer\.)?position_bias$")
+
+
+def layout_notes(cfg: ModelConfig, missing: list[str], unexpected: list[str],
+                 misshaped: dict[str, tuple[int, ...]]) -> list[str]:
+    """Lines that explain missing, unexpected or mis-shaped compressor tensors by the layer kinds and
+    compress ratios of the config (a sliding layer has no compressor, only CSA has an indexer, and a
+    compressor's ``position_bias`` has one row per position of its ratio-long window): the usual cause is
+    a ``compress_ratios`` / ``layer_types`` that does not belong to this checkpoint. One line per layer."""
+    key = "layer_types" if cfg.raw.get("layer_types") is not None else "compress_ratios"
+    notes = _window_notes(cfg, key, misshaped) | _presence_notes(cfg, key, missing, unexpected)
+    return [notes[i] + ": is this config.json this checkpoint's?" for i in sorted(notes)]
+
+
+def _presence_notes(cfg: ModelConfig, key: str, missing: list[str], unexpected: list[str]) -> dict[int, str]:
+    """layer -> why its compressor or indexer tensors are there although the config gives none, or not."""
+    notes: dict[int, str] = {}
+    for names, present in ((missing, False), (unexpected, True)):
+        for m in filter(None, map(_COMPRESSOR.match, names)):
+            layer, indexer = int(m.group(1)), m.group(2) is not None
+            if layer < cfg.num_layers:
+                part = ("an " if indexer else "a ") if present else "no "
+                part += "indexer (only CSA layers have one)" if indexer else "compressor"
+                notes[layer] = (f"layer {layer}: the checkpoint has {part}, but config {key}[{layer}] makes it "
+                                f"{_kind_words(cfg, layer)}")
+    return notes
+
+
+def _window_notes(cfg: ModelConfig, key: str, misshaped: dict[str, tuple[int, ...]]) -> dict[int, str]:
+    """layer -> why its compressor's window table (``position_bias``, one row per position of the window)
+    has another length than the layer's compress ratio."""
+    notes: dict[int, str] = {}
+    for name, got in misshaped.items():
+        m = _WINDOW_TABLE.match(name)
+        if m is not None and int(m.group(1)) < cfg.num_layers and got:
+            layer = int(m.group(1))
+            notes[layer] = (f"layer {layer}: the checkpoint's compressor window is {got[0]} positions long (the "
+                            f"rows of position_bias), but config {key}[{layer}] makes it {_kind_words(cfg, layer)}")
+    return notes
+
+
+def _kind_words(cfg: ModelConfig, layer: int) -> str:
+    """How the config makes ``layer``: its kind and ratio, in the words of the checkpoint notes."""
+    kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
+    if kind is AttnKind.SLIDING:
+        return "sliding-only (compress ratio 0)"
+    return f"{'CSA' if kind is AttnKind.CSA else 'HCA'} with compress ratio {ratio}"
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                progress: bool = True, vision_device: str | torch.device | None = None, packed_experts: bool = False,
                shard: ShardPlan | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -76,7 +137,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     if shard is not None:
         shard_model(model, shard, reduce)  # on meta: the parameters take their local shapes
     sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
-                         packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."))
+                         packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."),
+                         indices=index_tables(cfg), explain=lambda *names: layout_notes(cfg, *names))
     vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
     packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], PackedExperts)}
     missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)

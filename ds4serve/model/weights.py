@@ -8,7 +8,8 @@ in a log file one summary line says how many tensors and bytes loaded in how lon
 stacked into HF's ``gate_up_proj`` / ``down_proj``. FP8 e4m3 weights with block scales
 (``.scale`` or ``.weight_scale_inv``) and MXFP4 experts (the Flash instruct release: two E2M1 codes
 per byte, one UE8M0 scale per 32 inputs) are dequantised at load. Missing, unexpected or mis-shaped
-tensors fail with one error that lists them all.
+tensors fail with one error that lists them all, and so do index tables (``IndexTable``: the hash
+routing's ``tid2eid``) of the wrong dtype or shape or with a value outside the range they index.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +32,24 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """The checkpoint does not match the model config (the message lists what is wrong)."""
+
+
+@dataclass(frozen=True)
+class IndexTable:
+    """A checkpoint tensor whose values the forward uses as indices: torch gathers with them and the
+    native forward reads them unchecked (outside a checked build), so a bad value would read another
+    tensor's memory. Checked at load: an integer dtype, exactly the expected shape (a flattened or
+    transposed table would route silently wrong), every value in ``[0, bound)``."""
+
+    bound: int
+    meaning: str  # what the values index and which config keys give the shape and bound
+
+
+# explain(missing, unexpected, misshaped {name: shape found}) -> lines naming the config keys behind them
+Explain = Callable[[list[str], list[str], dict[str, tuple[int, ...]]], list[str]]
+
+# safetensors dtypes that hold integers (an index table stored as floats is refused, not truncated)
+_INT_DTYPES = {"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"}
 
 
 # Parameters kept in fp32 whatever the model dtype (HF's _keep_in_fp32_modules_strict; the ViT
@@ -246,18 +266,23 @@ def _scale_name(src: _Source, weight_name: str) -> str | None:
 def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     dtype: torch.dtype, device: torch.device | str, progress: bool = True,
                     fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False,
-                    shard=None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                    shard=None, skip: tuple[str, ...] = (), indices: Mapping[str, IndexTable] | None = None,
+                    explain: Explain | None = None) -> dict[str, torch.Tensor]:
     """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (full shape, dtype)).
     ``packed_experts``: quantised routed experts (official per-expert tensors) stay packed
     (``packed.PackedExperts`` values instead of tensors). ``shard`` (``sharding.ShardPlan``): only this
     rank's slices are kept, and of the routed experts only this rank's are read at all; names starting
-    with a ``skip`` prefix are not loaded (a tensor-parallel worker has no vision tower)."""
+    with a ``skip`` prefix are not loaded (a tensor-parallel worker has no vision tower). ``indices``:
+    the tensors whose values are indices (``IndexTable``), checked before anything is loaded.
+    ``explain(missing, unexpected, misshaped)``: lines that say what in the config those names point at."""
     src = _Source(checkpoint_files(Path(path)))
     src.fp8_block = fp8_block
     plan, experts, scales, ignored, unknown = _plan(src)
     if ignored:
         log.info("ignoring %d checkpoint tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
-    problems = _compare(src, plan, experts, expected, unknown)
+    indices = indices or {}
+    problems = _compare(src, plan, experts, expected, unknown, indices, explain)
+    problems += _index_problems(src, plan, expected, indices)
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n  " + "\n  ".join(problems))
     if skip:
@@ -440,7 +465,10 @@ def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str,
     return load
 
 
-def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str]) -> list[str]:
+def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str],
+             indices: Mapping[str, IndexTable] | None = None,
+             explain: Explain | None = None) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors (index tables' shapes: ``_index_problems``), each a line."""
     problems: list[str] = []
     have = set(plan)
     for layer, pieces in experts.items():
@@ -456,11 +484,15 @@ def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, 
         problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
+    misshaped: dict[str, tuple[int, ...]] = {}
     for hf, name in plan.items():
-        if hf in expected:
+        if hf in expected and hf not in (indices or {}):
             got, want = src.logical_shape(name), expected[hf][0]
             if _numel(got) != _numel(want) or (len(got) == len(want) and got != want):
                 problems.append(f"tensor {name}: shape {list(got)}, expected {list(want)}")
+                misshaped[hf] = got
+    if explain is not None and (missing or unexpected or misshaped):
+        problems += explain(missing, unexpected, misshaped)
     for layer, pieces in experts.items():
         for (j, w), name in pieces.items():
             if src.dtype(name) in _FP4_STORAGE and _scale_name(src, name) is None:
@@ -474,6 +506,38 @@ def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, 
             if src.logical_shape(name) != exp_shape or j >= e:
                 problems.append(f"tensor {name}: shape {list(src.logical_shape(name))}, expected {list(exp_shape)}")
     return problems
+
+
+def _index_problems(src: _Source, plan: dict[str, str], expected: dict,
+                    indices: Mapping[str, IndexTable]) -> list[str]:
+    """One line per index table that is not integer, not exactly its expected shape, or holds a value
+    outside ``[0, bound)`` (the first such value and where, and how many); missing ones are ``_compare``'s."""
+    problems: list[str] = []
+    for hf, table in sorted(indices.items()):
+        name = plan.get(hf)
+        if name is None or hf not in expected:
+            continue
+        got, want = src.shape(name), expected[hf][0]
+        if src.dtype(name) not in _INT_DTYPES:
+            problems.append(f"tensor {name}: dtype {src.dtype(name)}, expected an integer dtype "
+                            f"({', '.join(sorted(_INT_DTYPES))}): {table.meaning}")
+        elif got != want:
+            problems.append(f"tensor {name}: shape {list(got)}, expected {list(want)}: {table.meaning}")
+        else:
+            problems += _out_of_range(name, src.get(name), table)
+    return problems
+
+
+def _out_of_range(name: str, values: torch.Tensor, table: IndexTable) -> list[str]:
+    """The line for an index table with values outside ``[0, table.bound)``, or none."""
+    values = values.long()  # unsigned ints have no comparisons in torch; the model holds int64 anyway
+    bad = (values < 0) | (values >= table.bound)
+    count = int(bad.sum())
+    if not count:
+        return []
+    where = [int(i) for i in bad.nonzero()[0]]
+    return [f"tensor {name}: value {int(values[tuple(where)])} at {where} is outside [0, {table.bound}) "
+            f"({count} such value{'s' if count > 1 else ''}): {table.meaning}"]
 
 
 def _numel(shape: Iterable[int]) -> int:
