@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import set_openmp_defaults
+from .environment import set_openmp_defaults
 
 set_openmp_defaults()  # before anything here imports torch
 

@@ -49,7 +49,7 @@ SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefin
 
 
 def sanitized(flags: list[str], on: bool) -> list[str]:
-    """``flags`` plus AddressSanitizer and UndefinedBehaviorSanitizer when ``on`` (``config.native_build``:
+    """``flags`` plus AddressSanitizer and UndefinedBehaviorSanitizer when ``on`` (``environment.native_build``:
     ``DS4SERVE_NATIVE_SANITIZE=1``, run by ``scripts/sanitize.sh``, which preloads their runtime)."""
     return flags + SANITIZE_FLAGS if on else flags
 

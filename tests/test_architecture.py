@@ -12,25 +12,25 @@ PKG = Path(__file__).resolve().parent.parent / "ds4serve"
 # and config are leaves that import nothing else of ds4serve; llm, cli, bench and tiny sit on top. The
 # server's one door below it is runtime (plus the leaves). One table, so a new edge is a visible change
 # here (DESIGN §2).
-LEAVES = {"config", "multimodal", "chat"}
+LEAVES = {"config", "environment", "multimodal", "chat"}
 ALLOWED = {
-    "config": set(), "multimodal": set(), "chat": set(),
-    "native_build": {"config"},  # compiling the C parts (model/native.py, model/host_decode.py, cache/native_view.py)
-    "model": {"config", "native_build"},
-    "cache": {"config", "model", "multimodal", "native_build"},  # model/batch.py only (checked below); image records
-    "engine": {"config", "cache", "model", "multimodal", "chat"},  # chat: grammar masks in the sampler
+    "config": set(), "environment": set(), "multimodal": set(), "chat": set(),
+    "native_build": {"config", "environment"},  # compiling the C parts (model/native.py, model/host_decode.py, cache/native_view.py)
+    "model": {"config", "environment", "native_build"},
+    "cache": {"config", "environment", "model", "multimodal", "native_build"},  # model/batch.py only (checked below); image records
+    "engine": {"config", "environment", "cache", "model", "multimodal", "chat"},  # chat: grammar masks in the sampler
     "scheduler": {"config", "engine", "cache", "model", "multimodal"},
     "runtime": {"config", "scheduler", "engine", "cache", "model", "multimodal"},
     "server": {"config", "runtime", "multimodal", "chat"},
     "llm": {"config", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
-    "tiny": {"config", "llm", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
+    "tiny": {"config", "environment", "llm", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat"},
     "bench": {"config", "llm", "server", "runtime", "scheduler", "engine", "cache", "model", "multimodal", "chat",
               "tiny"},
     "cli": {"config", "llm", "server", "bench", "tiny", "runtime", "scheduler", "engine", "cache", "model",
             "multimodal", "chat", "cli_inspect", "cli_tiny"},
     "cli_inspect": {"config", "runtime", "cache", "model"},  # info / plan: read a config, never serve
     "cli_tiny": {"tiny", "llm"},  # tiny train / eval
-    "__init__": {"llm", "config"},
+    "__init__": {"llm", "config", "environment"},
 }
 
 
@@ -78,10 +78,10 @@ def test_imports_point_downward():
     assert not problems, "\n".join(problems)
 
 
-def test_environment_is_read_only_in_config_and_the_cli():
+def test_environment_is_read_only_in_environment_and_the_cli():
     readers = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
                      if "os.environ" in f.read_text() or "os.getenv" in f.read_text())
-    assert readers == ["cli.py", "config.py"], readers
+    assert readers == ["cli.py", "environment.py"], readers
 
 
 # calls that wait for the device (or print): none on the per-step path of the model and of decode steps

@@ -105,7 +105,7 @@ def _spin_probe(code: str, **env: str) -> str:
 
 
 def test_openmp_spin_is_shortened_when_ds4serve_comes_first_and_advice_is_given_when_it_does_not():
-    report = "import os; from ds4serve.config import openmp_spin_advice as a; print(os.environ['GOMP_SPINCOUNT'], a())"
+    report = "import os; from ds4serve.environment import openmp_spin_advice as a; print(os.environ['GOMP_SPINCOUNT'], a())"
     assert _spin_probe("import ds4serve, torch; " + report) == "10000 None"
     late = _spin_probe("import torch, ds4serve; " + report)
     assert late.startswith("10000 torch was imported before ds4serve") and "GOMP_SPINCOUNT=10000" in late

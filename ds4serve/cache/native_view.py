@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import cache_root, native_build
+from ..environment import cache_root, native_build
 from ..model.batch import BatchView, CompressIndex, VisibleRows
 from ..native_build import OnceLibrary, build_library, sanitized
 from .layout import StateLayout

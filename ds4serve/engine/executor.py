@@ -20,7 +20,8 @@ import torch
 
 from ..cache import SeqChunk, build_view
 from ..cache.manager import CacheManager
-from ..config import ModelConfig, openmp_spin_advice
+from ..config import ModelConfig
+from ..environment import openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_decode import HostDecoder, description as host_build
@@ -46,7 +47,7 @@ class StepError(RuntimeError):
 
 @functools.cache
 def _warn_spin_once() -> None:
-    """Once per process: the OpenMP spin advice (``config.openmp_spin_advice``), if it applies."""
+    """Once per process: the OpenMP spin advice (``environment.openmp_spin_advice``), if it applies."""
     advice = openmp_spin_advice()
     if advice:
         log.warning(advice)

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import AttnKind, ModelConfig, NativeBuild, cache_root, native_build
+from ..config import AttnKind, ModelConfig
+from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from .batch import BatchView, LayerState
 from .packed import PackedExperts
@@ -128,7 +129,7 @@ def _attempts(build: NativeBuild) -> list[list[str]]:
 
 
 def _load() -> ctypes.CDLL:
-    """Built for the target ``config.native_build()`` names (each failed attempt's error kept)."""
+    """Built for the target ``environment.native_build()`` names (each failed attempt's error kept)."""
     build = native_build()
     extra = sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
     source = (_CSRC / "host.c").read_text()

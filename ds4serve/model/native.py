@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import cache_root, native_build
+from ..environment import cache_root, native_build
 from ..native_build import OnceLibrary, build_library, sanitized
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig, cache_root
+from ..config import ModelConfig
+from ..environment import cache_root
 from ..model.loader import expected_tensors
 from ..model.vision import expected_vision_tensors
 from .byte_tokenizer import SPECIAL_ORDER, build_byte_tokenizer
