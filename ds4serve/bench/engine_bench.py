@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..model.footprint import footprint
+from .bandwidth import read_bandwidth
 from .memory import describe
 
 log = logging.getLogger(__name__)
@@ -282,7 +284,9 @@ def measure(path: Path, streams: list[int], prompt_len: int, new_tokens: int, co
 
     ours_figs = {n: med(v) for n, v in samples["ours"].items()}
     hf_figs = {n: med(v) for n, v in samples.get("hf", {}).items()}
-    return ours_figs, hf_figs, ours.breakdown(16 if 16 in streams else max(streams))
+    split = ours.breakdown(16 if 16 in streams else max(streams))
+    split["bytes_per_token"] = footprint(ours.llm.cfg, ours.llm.model).per_token_total
+    return ours_figs, hf_figs, split
 
 
 def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare_hf: bool = True,
@@ -297,6 +301,8 @@ def run(streams: list[int], prompt_len: int = 128, new_tokens: int = 64, compare
     print(render(rows, prompt_len, new_tokens, rounds, device))
     print(render_breakdown(split, rows))
     print(describe("this process (both engines ran in it)"))
+    if torch.device(device).type == "cpu":  # after the RSS line: the probe's buffer is not the engines'
+        print(render_roofline(split["bytes_per_token"], read_bandwidth(), rows))
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
                                                "breakdown": split}, indent=1))
@@ -341,4 +347,17 @@ def render_breakdown(split: dict[str, float], rows: list[Row]) -> str:
         line += (f"\ndecode graphs: {split['decode_graphs']}, {split['graph_captures']} captured, "
                  f"{split['graph_replays']} replays" + (f", TURNED OFF: {split['graphs_disabled']}"
                                                         if split.get("graphs_disabled") else ""))
+    return line
+
+
+def render_roofline(bytes_per_token: int, bytes_per_s: float, rows: list[Row]) -> str:
+    """Single-stream decode against what streaming its weights once per token allows (``footprint``)."""
+    roof = bytes_per_s / max(1, bytes_per_token)
+    line = (f"memory: one decoded token reads {bytes_per_token / 2**20:.2f} MiB of weights; measured read bandwidth "
+            f"{bytes_per_s / 1e9:.1f} GB/s -> 1-stream roofline {roof:.0f} tok/s")
+    one = {r.streams: r for r in rows}.get(1)
+    if one:
+        got = 1000 / one.ours_step_ms
+        line += f"; measured {got:.0f} tok/s per decode step ({got / roof:.0%}" + (
+            ", above 100%: these weights fit in the CPU caches)" if got > roof else ")")
     return line

@@ -14,6 +14,7 @@ import torch
 from ..config import AttnKind, ModelConfig
 from .decoder import DS4ForCausalLM
 from . import triton_experts
+from .footprint import footprint
 from .packed import PackedExperts
 from .rope import inverse_frequencies
 from .sharding import ShardPlan, shard_model
@@ -165,4 +166,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     n_params = sum(t.numel() for t in sd.values()) + sum(math.prod(p.shape) for p in packed.values())
     log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s, in %.2f s", path, n_params / 1e6,
              cfg.num_layers, dt, device, time.perf_counter() - t0)
+    log.info("%s", footprint(cfg, model).describe())
     return cfg, model
