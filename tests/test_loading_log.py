@@ -57,3 +57,21 @@ def test_progress_counts_bytes_and_a_summary_line_is_logged(random_ckpt, monkeyp
     assert len(lines) == 1
     n, gib, seconds = lines[0].groups()
     assert int(n) == len(sd) and float(gib) == pytest.approx(nbytes / 2**30, rel=5e-3) and float(seconds) >= 0
+
+
+def test_start_up_is_logged_per_phase(caplog):
+    """Time to healthy is the sum of phases a user can act on (load, engine, self-check, warm-up,
+    calibration): the log names each with its seconds, and they add up to the total it gives."""
+    from ds4serve.config import EngineSettings
+    from ds4serve.runtime.core import load_core
+    from ds4serve.tiny.random_model import BUNDLED
+
+    with caplog.at_level(logging.INFO, logger="ds4serve.runtime.core"):
+        core = load_core(BUNDLED, settings=EngineSettings(max_seqs=2, max_stall=2.0))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up took"))
+    phases = dict(re.findall(r"([a-z-]+) ([0-9.]+) s", line.split(":", 1)[1]))
+    assert list(phases) == ["load", "engine", "self-check", "warm-up", "calibration"], line
+    total = float(re.match(r"start-up took ([0-9.]+) s", line).group(1))
+    assert abs(sum(map(float, phases.values())) - total) <= 0.1 * len(phases), line
+    assert set(core.startup) == set(phases)
+    core.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,9 +78,11 @@ class EngineCore:
                  parallel: ParallelGroup | None = None):
         """``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes).
         ``parallel``: this is rank 0 of a tensor-parallel group (``parallel.py``); ``model`` is its shard."""
+        t0 = time.perf_counter()
         self.cfg = cfg
         self.settings = s = settings or EngineSettings()
         self.device = torch.device(device)
+        self.startup: dict[str, float] = {}  # seconds per start-up phase (see describe_startup)
         layout = StateLayout.build(cfg, dtype, s.page_tokens)
         self.resolved = r = resolve(cfg, s, layout, self.device)
         self.cache = CacheManager(layout, r.max_seqs, r.n_pages, self.device, r.host_budget, r.staging_rows,
@@ -105,11 +108,14 @@ class EngineCore:
         self._ids = itertools.count(1)
         self.history: deque[StepRecord] = deque(maxlen=4096)
         self._log_sizes(layout)
+        self.startup["engine"] = time.perf_counter() - t0
         if s.warmup:
             self.warmup()
             if s.max_stall and engine_factory is None:
+                t1 = time.perf_counter()
                 self.limits = dataclasses.replace(self.limits, prefill_tokens_at=calibrate(self, s.max_stall))
                 self.scheduler.limits = self.limits
+                self.startup["calibration"] = time.perf_counter() - t1
 
     def _engine(self, model: DS4ForCausalLM | None, factory: EngineFactory | None) -> Engine:
         mode = self.settings.decode_graphs
@@ -203,6 +209,10 @@ class EngineCore:
         """Drive every path once at start-up (see ``warmup.warm_up``)."""
         warm_up(self)
 
+    def describe_startup(self) -> str:
+        """How long start-up took, per phase (load, engine, self-check, warm-up, calibration)."""
+        parts = ", ".join(f"{name} {sec:.1f} s" for name, sec in self.startup.items())
+        return f"start-up took {sum(self.startup.values()):.1f} s: {parts}"
     def close(self) -> None:
         """Stop the encoder worker (the engine loop owns everything else)."""
         if self.encoder is not None:
@@ -253,6 +263,7 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
     ``packed_experts``: a bool, or "auto" / "on" / "off" (``capacity.choose_packed_experts``: auto packs
     only when the dequantised experts would not fit and packed ones do).
     ``parallel`` with ``tensor_parallel_size > 1`` starts the other ranks (``parallel.py``) first."""
+    t0 = time.perf_counter()
     s = settings or EngineSettings()
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     ep = parallel is not None and parallel.expert_parallel
@@ -267,9 +278,13 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
     else:
         cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device,
                                 packed_experts=packed_experts)
+    loaded = time.perf_counter() - t0
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
     try:
-        return EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos, parallel=group)
+        core = EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos, parallel=group)
+        core.startup = {"load": loaded, **core.startup}
+        log.info("%s", core.describe_startup())
+        return core
     except BaseException:
         if group is not None:
             group.close(None)

@@ -29,14 +29,17 @@ def warm_up(core: EngineCore) -> None:
     logprob sampling, suspend and restore; then, with an encoder, one image through a pass."""
     t0 = time.perf_counter()
     check_host(core)
+    t1 = time.perf_counter()
+    core.startup["self-check"] = t1 - t0
     _warm_text(core)
     if core.encoder is not None:
         _warm_image(core)
     leak = core.leaks()
     if leak:
         raise RuntimeError(f"warm-up leaked: {leak}")
+    core.startup["warm-up"] = time.perf_counter() - t1
     log.info("warm-up: sliced pass, merged step, sampling, suspend/restore%s ok in %.2f s",
-             ", encoder + image pass" if core.encoder is not None else "", time.perf_counter() - t0)
+             ", encoder + image pass" if core.encoder is not None else "", time.perf_counter() - t1)
 
 
 def _run(core: EngineCore, plan: StepPlan, what: str) -> None:
