@@ -212,10 +212,10 @@ def test_abort_at_any_point_frees_before_next_step():
 def test_queue_bound_and_too_large():
     from ds4serve.scheduler.scheduler import QueueFull, RequestTooLarge
 
-    core = make_core(max_queue=2, max_model_len=64)
+    core = make_core(max_queue=2, max_seqs=1, max_model_len=64)
     with pytest.raises(RequestTooLarge, match="context limit of 64"):
         core.add(core.make_request(list(range(60)), SamplingParams(max_tokens=10)))
-    core.add(core.make_request([1], SamplingParams(max_tokens=2)))
-    core.add(core.make_request([1], SamplingParams(max_tokens=2)))
+    for _ in range(3):  # max_seqs + max_queue in flight
+        core.add(core.make_request([1], SamplingParams(max_tokens=2)))
     with pytest.raises(QueueFull):
         core.add(core.make_request([1], SamplingParams(max_tokens=2)))

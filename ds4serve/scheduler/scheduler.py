@@ -66,7 +66,7 @@ class Scheduler(MemoryPressure):
         self.check_fits(len(req.prompt_ids), req.params.max_tokens)
         if req.images:
             self._check_images(req)
-        if len(self.waiting) >= self.limits.max_queue:
+        if self.in_flight >= self.cache.n_slots + self.limits.max_queue:
             self.stats["rejected"] += 1
             raise QueueFull(f"the queue is full ({self.limits.max_queue} waiting requests)")
         if req.request_id in self.requests:
@@ -74,6 +74,14 @@ class Scheduler(MemoryPressure):
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats["added"] += 1
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished. The bound is ``max_seqs + max_queue`` of these (the
+        loop's up-front check counts the same), not ``max_queue`` of ``waiting``: requests that arrive
+        together, before a step moves them to free slots, all sit in ``waiting`` for a moment, and a
+        burst must not be refused while slots are free."""
+        return len(self.running) + len(self.parked) + len(self.waiting)
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         problem = fit_problem(prompt_tokens, max_tokens, self.limits.max_model_len, self.cache.layout.pages_for,
