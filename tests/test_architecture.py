@@ -109,3 +109,51 @@ def test_files_stay_small():
     """No module over ~600 lines without a reason."""
     big = [(f.relative_to(PKG), n) for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600]
     assert not big, big
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """``_imports`` without the ones under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    here = ["ds4serve", *path.relative_to(PKG).with_suffix("").parts][:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names = [mod + "." + a.name for a in node.names] if not node.module else [mod]
+            out.update(n for n in names if n.startswith("ds4serve"))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("ds4serve"))
+    return out
+
+
+def test_no_import_circles():
+    """Module A imports B (at any depth of a function, not only at the top) and B imports A: neither
+    can be read, tested or moved alone. The model's number formats used to sit in the checkpoint
+    reader with the packed stacks importing them back (now model/quant.py, below both)."""
+    modules = {".".join(("ds4serve", *f.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__"): f
+               for f in PKG.rglob("*.py")}
+    def target(name: str) -> str | None:  # a module, or the module a name is imported from
+        return name if name in modules else name.rsplit(".", 1)[0] if name.rsplit(".", 1)[0] in modules else None
+
+    graph = {m: {t for i in _runtime_imports(f) if (t := target(i)) and t != m} for m, f in modules.items()}
+    circles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, circles

@@ -101,7 +101,7 @@ def test_rope_falls_back_where_the_table_does_not_match():
 @given(lead=st.integers(1, 3), rows=st.integers(1, 40), blocks=st.integers(1, 6), block=st.sampled_from([2, 16, 32]),
        seed=st.integers(0, 2**31 - 1), extreme=st.booleans())
 def test_mxfp4_dequantisation_is_bit_equal_to_the_torch_form(lead, rows, blocks, block, seed, extreme):
-    from ds4serve.model.weights import dequant_mxfp4
+    from ds4serve.model.quant import dequant_mxfp4
 
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (lead, rows, blocks * block // 2), generator=gen, dtype=torch.uint8)

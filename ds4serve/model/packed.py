@@ -3,7 +3,7 @@
 DS4-Flash's routed experts are 277B of its 284B parameters; stored as MXFP4 (4.25 bits each) they take
 ~137 GiB, dequantised to bf16 at load ~516 GiB. ``PackedExperts`` holds one layer's stack
 (``gate_up [E, 2I, D]`` or ``down [E, D, I]``) as codes + scales and dequantises only the experts a
-step routes to, with the loader's own arithmetic (``weights.dequant_mxfp4`` / ``dequant_fp8``, then
+step routes to, with the loader's own arithmetic (``quant.dequant_mxfp4`` / ``dequant_fp8``, then
 the model dtype), so a step computes on exactly the values the dequantise-at-load path would hold.
 Nothing dequantised outlives the call that made it.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import dequant_fp8, dequant_mxfp4
+from .quant import dequant_fp8, dequant_mxfp4
 
 FORMATS = ("mxfp4", "fp8")
 

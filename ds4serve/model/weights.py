@@ -27,6 +27,9 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .packed import PackedExperts, stack_parts
+from .quant import FormatError, dequant_fp8, dequant_mxfp4, is_fp8, is_packed_fp4
+
 log = logging.getLogger(__name__)
 
 
@@ -108,6 +111,7 @@ _OFFICIAL_LAYER = [
 _OFFICIAL_LAYER_RE = [(re.compile(p), r) for p, r in _OFFICIAL_LAYER]
 _EXPERT_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_FP4_STORAGE = {"I8", "U8", "F4"}  # safetensors dtypes that hold packed FP4 codes
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv", "_scale_inv")
 
 
@@ -182,64 +186,6 @@ class _Source:
         return shape
 
 
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
-                name: str = "?") -> torch.Tensor:
-    """FP8 e4m3 ``weight [..., out, in]`` times per-block ``scale [..., ceil(out/b0), ceil(in/b1)]``."""
-    w = weight.float()
-    s = scale.float()
-    out_dim, in_dim = w.shape[-2:]
-    b0, b1 = block
-    if s.shape[-2:] != (-(-out_dim // b0), -(-in_dim // b1)):
-        raise CheckpointError(
-            f"{name}: scale shape {list(s.shape)} does not fit weight {list(w.shape)} with block {list(block)} "
-            "(set quantization_config.weight_block_size)")
-    s = s.repeat_interleave(b0, dim=-2)[..., :out_dim, :].repeat_interleave(b1, dim=-1)[..., :in_dim]
-    return w * s
-
-
-# E2M1 code -> value (sign bit, then two exponent bits and one mantissa bit)
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FP4_STORAGE = {"I8", "U8", "F4"}  # safetensors dtypes that hold packed FP4 codes
-
-
-def _is_packed_fp4(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.int8, torch.uint8) or t.dtype == getattr(torch, "float4_e2m1fn_x2", None)
-
-
-def _fp4_byte_table() -> torch.Tensor:
-    """byte -> (value of the low nibble, value of the high nibble): one gather decodes two inputs."""
-    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    b = torch.arange(256)
-    return torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)
-
-
-_FP4_PAIRS = _fp4_byte_table()
-
-
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str = "?") -> torch.Tensor:
-    """MXFP4 ``packed [..., out, in / 2]`` (two E2M1 codes per byte, the low nibble is the even
-    input) times one scale per block of inputs ``scale [..., out, in / block]`` -> fp32
-    ``[..., out, in]``. Scales are UE8M0 (``float8_e8m0fnu``, or raw bytes meaning
-    ``2 ** (byte - 127)``) or plain floats. Each value is one table entry times its block's scale
-    (one fp32 product, so any evaluation order gives the same bits)."""
-    codes = packed.contiguous().view(torch.uint8)
-    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
-        scale = scale.view(torch.uint8)  # the same exponent byte (0xFF, NaN in E8M0, is never a real scale)
-    from .native import mxfp4_native  # the same products in one C loop, where built
-
-    fast = mxfp4_native(codes, scale)
-    if fast is not None:
-        return fast
-    table = _FP4_PAIRS.to(codes.device)
-    s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
-    in_dim = 2 * codes.shape[-1]
-    if s.shape[:-1] != codes.shape[:-1] or s.shape[-1] < 1 or in_dim % s.shape[-1]:
-        raise CheckpointError(f"{name}: FP4 scale shape {list(s.shape)} does not fit packed weight "
-                              f"{list(packed.shape)} ({in_dim} inputs)")
-    values = table.index_select(0, codes.reshape(-1).int()).view(*s.shape, in_dim // s.shape[-1])
-    return values.mul_(s.unsqueeze(-1)).view(*codes.shape[:-1], in_dim)  # values is a fresh gather
-
-
 def _scaled_weight(src: _Source, name: str) -> str | None:
     """The weight that ``name`` is the block scale of, if it is one (``attn_hc.scale`` is not)."""
     for suffix in _SCALE_SUFFIXES:
@@ -249,10 +195,6 @@ def _scaled_weight(src: _Source, name: str) -> str | None:
                 if weight != name and weight in src.where:
                     return weight
     return None
-
-
-def _is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _scale_name(src: _Source, weight_name: str) -> str | None:
@@ -376,17 +318,25 @@ def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
     """A checkpoint tensor, dequantised when it is FP8 (which always has a block scale) or packed
     MXFP4 with one. Int8/uint8 bytes without a scale pass through unless they must be FP4 experts."""
     t = src.get(name)
-    fp8, fp4 = _is_fp8(t), _is_packed_fp4(t)
+    fp8, fp4 = is_fp8(t), is_packed_fp4(t)
     scale = _scale_name(src, name) if fp8 or fp4 else None
     if fp8:
         if scale is None:
             raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
-        return dequant_fp8(t, src.get(scale), src.fp8_block, name)
+        return _dequant(dequant_fp8, t, src.get(scale), src.fp8_block, name)
     if fp4 and scale is not None:
-        return dequant_mxfp4(t, src.get(scale), name)
+        return _dequant(dequant_mxfp4, t, src.get(scale), name)
     if fp4 and fp4_needs_scale:
         raise CheckpointError(f"{name} is packed FP4 (MXFP4) but has no block scale (.scale / .weight_scale_inv)")
     return t
+
+
+def _dequant(fn, *args) -> torch.Tensor:
+    """A dequantiser's format error is a checkpoint error here (the user's file, named in it)."""
+    try:
+        return fn(*args)
+    except FormatError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
@@ -455,8 +405,6 @@ def _first_expert(shard, n_local: int) -> int:
 
 def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str,
                    lo: int = 0):
-    from .packed import PackedExperts, stack_parts  # packed.py imports this module's dequantisers
-
     def load():
         per_expert = [[(src.get(pieces[(j, k)]), src.get(_scale_name(src, pieces[(j, k)]))) for k in kinds]
                       for j in range(lo, lo + shape[0])]

@@ -6,7 +6,7 @@
    Here the experts stay as the checkpoint has them (packed.py: codes [E, rows, K / 2], two E2M1 values
    a byte, the even input in the low nibble; scales [E, rows, K / 32], UE8M0 exponent bytes) and each
    block of 32 weights is decoded in registers right before its multiply-adds: one table lookup and one
-   fp32 product per value, the same product weights.dequant_mxfp4 makes, so the weights are exactly the
+   fp32 product per value, the same product quant.dequant_mxfp4 makes, so the weights are exactly the
    dequantise-at-load values.
 
    The products run along K ([N, K] dot products): one block's 16 bytes become the 16 even and the 16
