@@ -111,16 +111,6 @@ class ModelConfig:
 
     # ---- derived facts -------------------------------------------------------------------------
     @property
-    def compressed_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.compress_ratios) if r > 0)
-
-    def is_csa(self, layer: int) -> bool:
-        return self.attn_kinds[layer] is AttnKind.CSA
-
-    def rope_for(self, layer: int) -> RopeParams:
-        return self.rope_main if self.attn_kinds[layer] is AttnKind.SLIDING else self.rope_compress
-
-    @property
     def distinct_ratios(self) -> tuple[int, ...]:
         return tuple(sorted({r for r in self.compress_ratios if r > 0}))
 

@@ -255,12 +255,11 @@ def test_for_engine_reads_core_and_tokenizer():
 
     class Core:
         cfg, settings = Cfg, Settings
-        image_limits = ImageLimits(max_images=1)
 
     class Tok:
         image_id = PH
 
-    pipe = ImagePipeline.for_engine(Core, Tok)
+    pipe = ImagePipeline.for_engine(Core, Tok, limits=ImageLimits(max_images=1))
     assert (pipe.vocab_size, pipe.image_token_id, pipe.max_block_tokens) == (VOCAB, PH, 256)
     assert pipe.limits.max_images == 1 and not pipe.fetch.enabled
 

@@ -18,10 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-class PoolExhausted(RuntimeError):
-    """Raised when a caller insists on pages the budget cannot give."""
-
-
 @dataclass
 class PageAllocator:
     n_pages: int

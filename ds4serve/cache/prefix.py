@@ -231,9 +231,6 @@ class PrefixCache:
         """Pages only the cache holds that a pinned snapshot keeps: no eviction frees them."""
         return len({p for s in self._lru.values() if s.pins for p in s.pages if self.pages.cache_only(p)})
 
-    def has_pins(self) -> bool:
-        return any(s.pins for s in self._lru.values())
-
     def holds(self) -> dict[int, int]:
         return dict(self._holds)
 

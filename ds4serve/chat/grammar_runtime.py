@@ -109,9 +109,6 @@ class GrammarCompiler:
     def allocate_bitmask(self, batch: int) -> torch.Tensor:
         return allocate_bitmask(batch, self.vocab_size)
 
-    def cache_info(self) -> dict[str, int]:
-        return {"entries": len(self._cache), "capacity": self.cache_size}
-
 
 class RequestMatcher:
     """One request's grammar state (see the module docstring for the protocol)."""

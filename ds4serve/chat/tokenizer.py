@@ -103,7 +103,3 @@ class Tokenizer:
         if "\ufffd" in text:
             return "bytes:" + (self._tok().id_to_token(token_id) or str(token_id))
         return text
-
-    @cached_property
-    def placeholder_texts(self) -> tuple[str, ...]:
-        return (IMAGE,)

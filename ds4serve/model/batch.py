@@ -106,7 +106,6 @@ class BatchView:
     is_image: torch.Tensor | None = None  # [T] bool: token belongs to an image block
     image_embeds: torch.Tensor | None = None  # [N, D] rows that replace the embedding of image slots
     image_rows: torch.Tensor | None = None  # [N] token index of each row of image_embeds
-    sentinel_types: torch.Tensor | None = None  # [T] int: block token type (-1 for text)
     tiles: tuple[QueryTile, ...] = ()  # long prefill chunks: shared key blocks (see cache/view.py)
     gather_tokens: torch.Tensor | None = None  # [G] tokens outside tiles (None: none, or no tiles)
     # True for a pure-decode forward (one token per sequence): swa_keys and emit_slots then index the

@@ -147,14 +147,14 @@ class ImagePipeline:
                         "refused", max_block_tokens, vision_cfg.max_n_token)
 
     @classmethod
-    def for_engine(cls, core: Any, tokenizer: Any, fetch: FetchPolicy | None = None) -> ImagePipeline:
+    def for_engine(cls, core: Any, tokenizer: Any, fetch: FetchPolicy | None = None,
+                   limits: ImageLimits | None = None) -> ImagePipeline:
         """Build from a running engine core and its tokenizer (the ids ``render_chat`` emits);
-        ``fetch`` is the operator's remote-image policy (default: ``data:`` URLs only)."""
+        ``fetch`` is the operator's remote-image policy (default: ``data:`` URLs only), ``limits`` the
+        per-request image limits (default: ``ImageLimits()``)."""
         cfg = core.cfg
         image_id = tokenizer.image_id if tokenizer.image_id is not None else cfg.vision.image_token_id
-        return cls(cfg.vision, cfg.vocab_size, image_id,
-                   limits=getattr(core, "image_limits", ImageLimits()),
-                   fetch=fetch or getattr(core, "fetch_policy", FetchPolicy()),
+        return cls(cfg.vision, cfg.vocab_size, image_id, limits=limits or ImageLimits(), fetch=fetch or FetchPolicy(),
                    max_block_tokens=core.settings.max_prefill_tokens)
 
     # --- public entry point -----------------------------------------------------------------

@@ -64,10 +64,6 @@ class ImageInput:
     def span(self) -> ImageSpan:
         return ImageSpan.of(self.block)
 
-    @property
-    def patch_bytes(self) -> int:
-        return self.patches.numel() * self.patches.element_size()
-
 
 def sentinel_ids(block: ImageBlock, vocab_size: int) -> list[int]:
     """Token ids of a block: ``vocab_size + type`` for every token (the reference scheme)."""

@@ -29,10 +29,6 @@ class RequestStatus(str, Enum):
         return self.value.startswith("finished")
 
     @property
-    def holds_slot(self) -> bool:
-        return self in (RequestStatus.PREFILLING, RequestStatus.DECODING)
-
-    @property
     def finish_reason(self) -> str | None:
         return {RequestStatus.FINISHED_STOP: "stop", RequestStatus.FINISHED_LENGTH: "length",
                 RequestStatus.FINISHED_ABORT: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(self)
