@@ -67,6 +67,72 @@ MUTANTS = [
     Mutant("k", "sampling RNG not re-seeded per token (a retried draw differs)", "ds4serve/engine/sampling.py",
            "        self.generator.manual_seed(token_seed(self.base_seed, len(self.output_ids)))", "        pass",
            ("tests/test_sampling.py",)),
+    # behaviours first guarded by tests/test_sampling_filters.py, test_prefix_guards.py, test_guarded_behaviours.py
+    Mutant("s1", "top_p drops the token whose mass crosses top_p", "ds4serve/engine/sampling.py",
+           "before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted", "before = torch.cumsum(probs_sorted, dim=-1)",
+           ("tests/test_sampling_filters.py",)),
+    Mutant("s2", "top_p keeps one more token when the prefix mass equals top_p", "ds4serve/engine/sampling.py",
+           "    drop |= before >= top_p", "    drop |= before > top_p", ("tests/test_sampling_filters.py",)),
+    Mutant("s3", "min_p compared with absolute probabilities, not relative to the top token",
+           "ds4serve/engine/sampling.py", "    drop |= probs_sorted < min_p * probs_sorted[:, :1]",
+           "    drop |= probs_sorted < min_p", ("tests/test_sampling_filters.py",)),
+    Mutant("s4", "repetition_penalty ignores the prompt's tokens", "ds4serve/engine/sampling.py",
+           "seen = torch.tensor(list(states[i].prompt_ids) + list(states[i].output_ids), dtype=torch.long, device=dev)",
+           "seen = torch.tensor(list(states[i].output_ids), dtype=torch.long, device=dev)",
+           ("tests/test_sampling_filters.py",)),
+    Mutant("s5", "repetition_penalty divides negative logits too (raising them)", "ds4serve/engine/sampling.py",
+           "vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)",
+           "vals = vals / p.repetition_penalty", ("tests/test_sampling_filters.py",)),
+    Mutant("s6", "prefix key: an image starting exactly on a key block's first token left out",
+           "ds4serve/cache/prefix_keys.py", "if lo <= s < hi]", "if lo < s < hi]",
+           ("tests/test_prefix_guards.py::test_a_key_differs_exactly_when_a_differing_image_starts_below_it",
+            "tests/test_prefix_guards.py::test_two_pictures_never_share_a_key")),
+    Mutant("s7", "a prefix hit may cover the whole input (nothing left to compute)", "ds4serve/scheduler/reuse.py",
+           "snap = prefix.lookup(st.keys, req.total_len - 1)", "snap = prefix.lookup(st.keys, req.total_len)",
+           ("tests/test_prefix_guards.py::test_resending_a_snapshotted_prompt_leaves_a_token_to_compute",
+            "tests/test_prefix_guards.py::test_resending_a_whole_conversation_leaves_a_token_to_compute")),
+    Mutant("s8", "grammar: rolled back to just after </think>, the answer grammar turns off",
+           "ds4serve/chat/grammar_runtime.py", "self._activated_at > len(self._history)",
+           "self._activated_at >= len(self._history)", ("tests/test_guarded_behaviours.py",)),
+    Mutant("s9", "DSML stream: whitespace held from an earlier chunk lost by a whitespace-only chunk",
+           "ds4serve/chat/dsml_stream.py", "self.ws += text[len(body):]", "self.ws = text[len(body):]",
+           ("tests/test_guarded_behaviours.py",)),
+    Mutant("s10", "loop admits one request over max_seqs + max_queue (refused only later, by the engine)",
+           "ds4serve/runtime/loop.py",
+           "if self._in_flight >= self.limits.max_queue + self.core.resolved.max_seqs:",
+           "if self._in_flight > self.limits.max_queue + self.core.resolved.max_seqs:",
+           ("tests/test_guarded_behaviours.py",)),
+    Mutant("s11", "scheduler bounds only its waiting deque (a burst is refused while slots are free)",
+           "ds4serve/scheduler/scheduler.py", "if self.in_flight >= self.cache.n_slots + self.limits.max_queue:",
+           "if len(self.waiting) >= self.limits.max_queue:", ("tests/test_guarded_behaviours.py",)),
+    Mutant("s12", "scheduler admits one request over max_seqs + max_queue", "ds4serve/scheduler/scheduler.py",
+           "if self.in_flight >= self.cache.n_slots + self.limits.max_queue:",
+           "if self.in_flight > self.cache.n_slots + self.limits.max_queue:", ("tests/test_guarded_behaviours.py",)),
+    Mutant("s13", "isolation: a suspect cleared as soon as it computed anything", "ds4serve/scheduler/scheduler.py",
+           "req.computed >= req.clear_at", "req.computed > 0", ("tests/test_guarded_behaviours.py",)),
+    Mutant("s14", "isolation: a suspect cleared one token before it passed its failed step",
+           "ds4serve/scheduler/scheduler.py", "req.clear_at = max(req.clear_at, end)",
+           "req.clear_at = max(req.clear_at, end - 1)", ("tests/test_guarded_behaviours.py",)),
+    Mutant("s15", "torch forward: in-chunk captures read the sliding ring after this forward's writes",
+           "ds4serve/model/decoder.py",
+           "        if view.captures and st.snap:\n"
+           "            capture_ring(view.captures.get(cfg.sliding_window), st.snap.get(\"swa\"), st.swa, kv)\n"
+           "        st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))\n",
+           "        st.swa.index_copy_(0, view.swa_dst, kv.index_select(0, view.swa_src))\n"
+           "        if view.captures and st.snap:\n"
+           "            capture_ring(view.captures.get(cfg.sliding_window), st.snap.get(\"swa\"), st.swa, kv)\n",
+           ("tests/test_prefix_guards.py::test_a_capture_inside_a_chunk_is_the_cold_state_cut_there",)),
+    Mutant("s16", "torch forward: in-chunk captures read the compressor rings after this forward's writes",
+           "ds4serve/model/decoder.py",
+           "                capture_ring(view.captures.get(self.ratio * (2 if self.overlap else 1)), "
+           "snap, ring, states)\n"
+           "            ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))\n",
+           "                ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))\n"
+           "                capture_ring(view.captures.get(self.ratio * (2 if self.overlap else 1)), "
+           "snap, ring, states)\n"
+           "            if not view.captures:\n"
+           "                ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))\n",
+           ("tests/test_prefix_guards.py::test_a_capture_inside_a_chunk_is_the_cold_state_cut_there",)),
     # the native host forward (model/csrc): each guarded by its comparison with the torch path
     Mutant("n1", "native: image tokens ignore bias_vl", "ds4serve/model/csrc/host_layers.c",
            "            const float *bias = image ? L->bias_vl : L->gate_bias;",
@@ -112,6 +178,14 @@ MUTANTS = [
     Mutant("v1", "load: the hash-routing table's expert ids are not range-checked", "ds4serve/model/weights.py",
            "    bad = (values < 0) | (values >= table.bound)", "    bad = torch.zeros_like(values, dtype=torch.bool)",
            ("tests/test_checkpoint_validation.py",)),
+    Mutant("t1", "tensor parallel: the watchdog never reports a rank that exited", "ds4serve/runtime/parallel.py",
+           "        ready = wait(list(sentinels))", "        return", ("tests/test_tensor_parallel.py",)),
+    Mutant("t2", "tensor parallel: the forward's collectives wait a day for a hung rank",
+           "ds4serve/runtime/parallel.py",
+           "    dist.init_process_group(backend, store=store, rank=rank, world_size=world, "
+           "timeout=timedelta(seconds=timeout_s))",
+           "    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(days=1))",
+           ("tests/test_tensor_parallel.py",)),
 ]
 
 

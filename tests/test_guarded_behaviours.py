@@ -133,10 +133,6 @@ def test_character_by_character_equals_whole_with_calls() -> None:
 # ---- admission: max_seqs + max_queue in flight, not one more ----------------------------------------
 
 
-class _Slow(FakeEngine):
-    """The fake engine, unchanged: requests with many tokens stay in flight for the test's length."""
-
-
 def _held(eng: EngineLoop) -> tuple[threading.Event, threading.Thread]:
     """Hold the loop thread between steps (inside a ``call``) until the returned event is set."""
     release, entered = threading.Event(), threading.Event()
@@ -163,12 +159,14 @@ def test_a_burst_of_exactly_the_cap_is_admitted_and_the_next_refused(max_seqs: i
 
     async def main() -> None:
         release, holder = _held(eng)
-        subs = [asyncio.create_task(eng.submit([1, 2, 3], params, f"r{i}")) for i in range(cap)]
-        await asyncio.sleep(0.05)  # every submit has passed its check and sent its request
-        with pytest.raises(QueueFull):
-            await asyncio.wait_for(eng.submit([1, 2, 3], params, "over"), 5)
-        release.set()
-        holder.join(10)
+        try:
+            subs = [asyncio.create_task(eng.submit([1, 2, 3], params, f"r{i}")) for i in range(cap)]
+            await asyncio.sleep(0.05)  # every submit has passed its check and sent its request
+            with pytest.raises(QueueFull):
+                await asyncio.wait_for(eng.submit([1, 2, 3], params, "over"), 5)
+        finally:
+            release.set()
+            holder.join(10)
         streams = await asyncio.gather(*subs)  # raises if any of the cap was refused
         n = eng.call(lambda c: len(c.scheduler.running) + len(c.scheduler.waiting))
         assert n == cap
