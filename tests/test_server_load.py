@@ -39,6 +39,15 @@ def _running_and_steps(srv):
     return srv.engine.call(lambda core: (len(core.scheduler.running), srv.state.metrics._steps))
 
 
+async def _until(what: str, happened, within_s: float = 60.0) -> None:
+    """Wait (polling off the event loop) until ``happened()``: an event, not a guess at how long it takes
+    (a fixed sleep assumes an idle machine); fail naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not await asyncio.to_thread(happened):
+        assert time.monotonic() < deadline, f"{what}: not within {within_s:.0f} s"
+        await asyncio.sleep(0.01)
+
+
 def _cancellations(srv) -> float:
     text = httpx.get(srv.base + "/metrics").text
     m = re.search(r'^ds4serve_cancellations_total\{[^}]*reason="client_disconnect"[^}]*\} (\S+)$', text, re.M)
@@ -133,7 +142,8 @@ def test_keepalive_comments_during_long_waits(random_ckpt):
         async def main():
             async with httpx.AsyncClient(timeout=60) as client:
                 first = asyncio.create_task(one(client, 120))
-                await asyncio.sleep(0.05)  # the first one holds the slot
+                await _until("the first stream taking the slot",  # running, or already stepped
+                             lambda: any(_running_and_steps(srv)))
                 return await asyncio.gather(first, one(client, 5))
 
         first, waiting = asyncio.run(main())
@@ -148,7 +158,8 @@ def test_graceful_shutdown_answers_waiting_clients(random_ckpt):
                 jobs = [client.post(srv.base + "/v1/chat/completions", json=dict(CHAT, max_tokens=900))
                         for _ in range(5)]
                 tasks = [asyncio.create_task(j) for j in jobs]
-                await asyncio.sleep(0.5)
+                await _until("all five requests reaching the engine",
+                             lambda: srv.engine.call(lambda core: len(core.scheduler.requests)) == 5)
                 srv.engine.begin_shutdown("the server is shutting down")
                 return await asyncio.gather(*tasks)
 

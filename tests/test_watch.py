@@ -52,12 +52,19 @@ def test_a_disconnect_beside_the_streams_end_leaves_no_unretrieved_exception():
 
 
 def test_deadline_and_keepalive():
+    """Keep-alives while the stream is silent, then the deadline, and the late event never. The deadline
+    is set once the loop runs and each step has 10x room (keep-alive every 50 ms, deadline at 0.5 s, the
+    event at 2 s): with 20 / 50 / 200 ms, and the deadline taken before ``asyncio.run`` started, a
+    loaded machine holding the loop for 50 ms would skip every keep-alive."""
     errors: list[dict] = []
 
     async def slow():
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(2.0)
         yield 1
 
-    out = _run(_collect(race(slow(), None, time.monotonic() + 0.05, keepalive_s=0.02)), errors)
+    async def scenario():
+        return await _collect(race(slow(), None, time.monotonic() + 0.5, keepalive_s=0.05))
+
+    out = _run(scenario(), errors)
     assert out[-1] is Outcome.TIMEOUT and Outcome.KEEPALIVE in out and 1 not in out
     assert errors == []

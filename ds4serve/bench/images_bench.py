@@ -95,28 +95,30 @@ def watch_image_passes(core) -> Iterator[dict[int, int]]:
 
 class _Clock:
     """Timestamps what a streaming client would see: each text token, each image request's first
-    token, and the image window (arrival of the images .. their last answer)."""
+    token, and the image window (arrival of the images .. their last answer). ``tick``: the clock of
+    those stamps (wall time by default)."""
 
-    def __init__(self, streams):
-        self.stopped = [0.0, 0.0]  # wall and CPU seconds spent with the clocks stopped
+    def __init__(self, streams, tick: Callable[[], float] = time.monotonic):
+        self.tick = tick
+        self.stopped = [0.0, 0.0]  # stamp-clock and CPU seconds spent with the clocks stopped
         self.stamps: dict[str, list[float]] = {r.request_id: [] for r in streams}
         self.arrival: dict[str, float] = {}
         self.first: dict[str, float] = {}
         self.window = [float("inf"), float("inf")]
 
     def now(self) -> float:
-        return time.monotonic() - self.stopped[0]
+        return self.tick() - self.stopped[0]
 
     def cpu(self) -> float:
         return time.process_time() - self.stopped[1]
 
     def encode(self, core, reqs) -> None:
         """Wait, clocks stopped, until every admitted request's images are encoded."""
-        wall, cpu = time.monotonic(), time.process_time()
+        wall, cpu = self.tick(), time.process_time()
         for r in reqs:
             if r.images_submitted and not core.encoder.wait(r.request_id, 120):
                 raise RuntimeError(f"{r.request_id}: images not encoded in 120 s")
-        self.stopped[0] += time.monotonic() - wall
+        self.stopped[0] += self.tick() - wall
         self.stopped[1] += time.process_time() - cpu
 
     def arrive(self, reqs) -> None:
@@ -142,19 +144,21 @@ class _Clock:
 
 
 def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[int], list]], text_tokens: int,
-                  image_tokens: int, arrive_at: int = 8) -> TrafficRun:
+                  image_tokens: int, arrive_at: int = 8, tick: Callable[[], float] = time.monotonic) -> TrafficRun:
     """Run text streams; before step ``arrive_at`` the image requests arrive; step until idle.
 
     ``texts`` are prompt ids, ``images`` (ids, ImageInput list) pairs, all greedy with ``ignore_eos``
-    so every run does the same work. Gaps are wall time between consecutive tokens of a text stream
-    as the caller of ``core.step()`` sees them. Every run starts with an empty prefix cache: rounds
-    repeat the same prompts, and a hit would skip the very image prefill this measures."""
+    so every run does the same work. Gaps are ``tick`` time (wall time by default) between consecutive
+    tokens of a text stream as the caller of ``core.step()`` sees them; ``time.thread_time`` instead
+    counts only this thread's work, which other processes' load cannot stretch (where the forward runs
+    on this one thread). Every run starts with an empty prefix cache: rounds repeat the same prompts,
+    and a hit would skip the very image prefill this measures."""
     core.reset_prefix_cache()
     greedy = dict(temperature=0, ignore_eos=True)
     streams = [core.make_request(t, SamplingParams(max_tokens=text_tokens, **greedy)) for t in texts]
     for r in streams:
         core.add(r)
-    clock, reqs, step = _Clock(streams), [], 0
+    clock, reqs, step = _Clock(streams, tick), [], 0
     t0, cpu0 = clock.now(), clock.cpu()
     with watch_image_passes(core) as slices:
         while core.has_work or (images and not reqs):

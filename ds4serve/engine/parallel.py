@@ -224,16 +224,18 @@ class Collectives:
         self.reduce(flag)
         return bool(flag.item() > 0)  # sync-ok: once per step, after the forward
 
-    def send(self, message: Any) -> None:
-        """Rank 0: ``message`` to every worker. Bounded by the collective timeout: a stopped worker
-        makes it raise ``RankFailure`` instead of blocking the engine thread forever."""
+    def send(self, message: Any, timeout: timedelta | None = None) -> None:
+        """Rank 0: ``message`` to every worker. Bounded by the collective timeout (or ``timeout``: the
+        first message waits for the workers to load their shards): a stopped worker makes it raise
+        ``RankFailure`` instead of blocking the engine thread forever."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        timeout = timeout or self.send_timeout
         try:
             for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)):
-                dist.broadcast(t, src=0, group=self.control, async_op=True).wait(timeout=self.send_timeout)
+                dist.broadcast(t, src=0, group=self.control, async_op=True).wait(timeout=timeout)
         except Exception as exc:
             self.lost = exc
-            raise RankFailure(f"could not reach the other tensor-parallel ranks within {self.send_timeout} "
+            raise RankFailure(f"could not reach the other tensor-parallel ranks within {timeout} "
                               f"(a rank died or hangs): {exc}") from exc
 
     def receive(self) -> Any:

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=30)  # idle workers wait for rank 0's next message this long
 JOIN_TIMEOUT = timedelta(minutes=10)  # every rank started and joined the group (loading comes after)
+# rank 0's sizing reaches a worker only once that worker has loaded its shard, which takes as long as its
+# disk and cores make it (minutes for a real checkpoint, seconds on a loaded test machine), not a step
+LOAD_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class ParallelGroup:
 
     def attach(self, cfg: ModelConfig, model, cache: CacheManager, sizing: dict) -> tuple[Mirrored, ParallelEngine]:
         """Send the workers rank 0's sizing (they build the same cache), and wrap this rank's engine."""
-        self.coll.send(("init", [], sizing))
+        self.coll.send(("init", [], sizing), timeout=LOAD_TIMEOUT)
         log.info("tensor parallel: decode graphs are off (a captured graph would replay collectives it "
                  "cannot agree on with the other ranks)")
         recorder = CallRecorder()
