@@ -51,6 +51,16 @@ def llm_factory(ckpt_factory):
     return get
 
 
+@pytest.fixture(scope="module", params=["on", "off"], ids=["host-on", "host-off"])
+def host_kernels(request) -> str:
+    """``EngineSettings.host_kernels`` for a suite that must hold on both forwards: "on" is the native
+    host forward a CPU serves with, "off" the torch forward CUDA GPUs run. Never "auto": under auto a
+    native forward that disagrees with torch at start-up quietly falls back to torch, so a regression
+    in it would pass as the torch path. Module-scoped so a module's cached engines and solo references
+    are built once per mode; a test comparing two runs builds both in this one mode."""
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     assert CONFIGS  # the registry must not be empty
 

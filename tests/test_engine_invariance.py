@@ -1,5 +1,9 @@
 """Invariant 1 (DESIGN §6): a request's output is the same alone, in a batch of 16, chunked,
-layer-sliced, suspended and restored, or dropped and recomputed (fp32; greedy and seeded)."""
+layer-sliced, suspended and restored, or dropped and recomputed (fp32; greedy and seeded).
+
+Every test runs on the native host forward and on the torch forward (``host_kernels`` fixture, ids
+``host-on`` / ``host-off``), its solo references built in the same mode: the torch forward is what CUDA
+runs, so a batching or preemption bug in either path is caught on CPU CI."""
 
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ def run_staggered(llm, prompts, params, every: int = 3):
 
 
 @pytest.fixture(scope="module")
-def solo(llm_factory):
-    llm = llm_factory("A", max_seqs=1)
+def solo(llm_factory, host_kernels):
+    llm = llm_factory("A", max_seqs=1, host_kernels=host_kernels)
     out = {}
     for seeded in (False, True):
         out[seeded] = [llm.generate([p], **_kw(_params(i, seeded)))[0] for i, p in enumerate(_prompts())]
@@ -46,9 +50,10 @@ def _kw(p: SamplingParams) -> dict:
 
 @pytest.mark.parametrize("decode_graphs", ["off", "static"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_factory):
+def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_factory, host_kernels):
     """Also with pure-decode steps on fixed-shape padded views (the shapes CUDA graphs replay)."""
-    llm = llm_factory("A", max_seqs=16, step_tokens=96, max_prefill_tokens=128, decode_graphs=decode_graphs)
+    llm = llm_factory("A", max_seqs=16, step_tokens=96, max_prefill_tokens=128, decode_graphs=decode_graphs,
+                      host_kernels=host_kernels)
     before = llm.core.engine.decode.stats["static_steps"]
     outs, stats = run_staggered(llm, _prompts(), [_params(i, seeded) for i in range(16)])
     if decode_graphs == "static":
@@ -60,12 +65,13 @@ def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("host_budget,drops,decode_graphs", [("1MB", False, "off"), ("150KB", True, "off"),
                                                              ("150KB", True, "static")])
-def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, decode_graphs, solo, llm_factory):
+def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, decode_graphs, solo, llm_factory,
+                                           host_kernels):
     """A pool for ~3 requests (512 tokens) and a 1 MB (or 150 KB) host budget: requests are suspended
     to host memory and, once the host budget is full, dropped and recomputed from their tokens. With
     fixed-shape decode views, padded rows write only the scratch page, which no one owns."""
     llm = llm_factory("A", max_seqs=16, kv_budget=512, host_budget=host_budget, step_tokens=64,
-                      max_prefill_tokens=64, decode_graphs=decode_graphs)
+                      max_prefill_tokens=64, decode_graphs=decode_graphs, host_kernels=host_kernels)
     outs, stats = run_staggered(llm, _prompts(), [_params(i, seeded) for i in range(16)], every=1)
     assert stats["preempt_suspend"] > 0, stats
     if drops:
@@ -76,10 +82,10 @@ def test_tiny_pools_suspend_drop_recompute(seeded, host_budget, drops, decode_gr
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs after preemption ({stats})"
 
 
-def test_layer_sliced_passes_equal_solo(solo, llm_factory):
+def test_layer_sliced_passes_equal_solo(solo, llm_factory, host_kernels):
     """Prefill by layer slices (a pass advances a few layers per step while others decode)."""
     llm = llm_factory("A", max_seqs=16, step_tokens=48, max_prefill_tokens=300, prefill_mode="layers",
-                      min_prefill_tokens=8)
+                      min_prefill_tokens=8, host_kernels=host_kernels)
     slices = []
     engine_step = llm.core.engine.step
 
@@ -97,16 +103,16 @@ def test_layer_sliced_passes_equal_solo(solo, llm_factory):
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs when layer-sliced"
 
 
-def test_requests_needing_the_whole_pool_make_progress(llm_factory):
+def test_requests_needing_the_whole_pool_make_progress(llm_factory, host_kernels):
     """Each request needs every page of a two-page pool: they run one after another (after drops)
     instead of waiting forever for a page kept free for growth that nothing running needs."""
-    probe = llm_factory("A", max_seqs=1)
+    probe = llm_factory("A", max_seqs=1, host_kernels=host_kernels)
     page = probe.core.cache.layout.page_tokens
     prompts = [random_ids(page - 8, 1000, seed=900 + i) for i in range(4)]
     params = SamplingParams(max_tokens=page, temperature=0.0, ignore_eos=True)
     want = [probe.generate([p], max_tokens=page, temperature=0.0, ignore_eos=True)[0] for p in prompts]
     llm = llm_factory("A", max_seqs=4, kv_budget=2 * page, host_budget="1KB", step_tokens=16,
-                      max_prefill_tokens=4 * page)
+                      max_prefill_tokens=4 * page, host_kernels=host_kernels)
     assert llm.core.cache.state.n_pages == 2
     core = llm.core
     reqs = [core.make_request(p, params) for p in prompts]

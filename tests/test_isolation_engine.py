@@ -6,7 +6,9 @@ One request is poisoned in a different way per test: its sampler raises, its ima
 corrupt (wrong width: the forward raises; wrong count: refused before compute), or the engine
 raises inside one of its layer slices. Every other request must finish with exactly the tokens it
 gets alone, the poisoned one fails with an error, and nothing leaks. Also here: the issue's staging
-overflow (an image prompt of ~1,040 tokens while another request decodes).
+overflow (an image prompt of ~1,040 tokens while another request decodes). Each test runs on the
+native host forward and on the torch forward CUDA runs (``host_kernels``: ``host-on`` / ``host-off``), the
+solo references in the same mode.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def llms():
+def llms(host_kernels):
+    """The solo reference and the batch engine, both on the one forward (``host_kernels``) under test."""
     from ds4serve.llm import LLM
 
-    return {"solo": LLM(BUNDLED, max_seqs=1), "batch": LLM(BUNDLED, **SLICED)}
+    return {"solo": LLM(BUNDLED, max_seqs=1, host_kernels=host_kernels),
+            "batch": LLM(BUNDLED, host_kernels=host_kernels, **SLICED)}
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +117,11 @@ def test_a_sampler_that_raises_for_one_request(llms, work, monkeypatch):
 @pytest.mark.parametrize("poison,needle", [
     (lambda rows: torch.cat([rows, rows[:, :1]], dim=1), "failed again when it ran alone"),  # the forward raises
     (lambda rows: rows[:-1], "refused before compute"),  # IMAGE slots without their rows
-])
+], ids=["too-wide", "too-few"])
 def test_poisoned_image_rows(llms, work, poison, needle):
+    """The target's rows are poisoned before the worker publishes them (``ready.set``): poisoned after
+    publication, as this test once did, a step that ran between the two read the good rows, and the
+    target finished normally (seen on a loaded 2-core machine)."""
     items, solo = work
     core = llms["batch"].core
     bad = _first_image(items)
@@ -123,9 +130,16 @@ def test_poisoned_image_rows(llms, work, poison, needle):
     target: dict = {}
 
     def encode(job):
+        if job.request_id == target.get("rid"):
+            publish = job.ready.set
+
+            def poison_then_publish() -> None:
+                if job.rows is not None:
+                    job.rows = poison(job.rows)
+                publish()
+
+            job.ready.set = poison_then_publish  # the worker's own set() call now poisons first
         real(job)
-        if job.request_id == target.get("rid") and job.rows is not None:
-            job.rows = poison(job.rows)
 
     worker._encode = encode
     try:
@@ -182,7 +196,7 @@ def test_an_engine_exception_inside_a_pass_slice(llms, work, monkeypatch, persis
 
 
 @pytest.mark.parametrize("length", [1020, 1029, 1035, 1039, 1040, 1045, 1060])
-def test_a_long_image_prompt_beside_a_decoder_completes(llms, tok, length):
+def test_a_long_image_prompt_beside_a_decoder_completes(llms, tok, length, host_kernels):
     """The issue's staging overflow: one text request decoding, then an image request of ~1,040 tokens
     whose first chunk (block + swallowed tail) exceeds max_prefill_tokens and runs as a layer-sliced
     pass through staging. A step budget just over max_prefill_tokens gets that chunk beside a decoder
@@ -192,7 +206,7 @@ def test_a_long_image_prompt_beside_a_decoder_completes(llms, tok, length):
     from ds4serve.llm import LLM
 
     if "step-1030" not in llms:
-        llms["step-1030"] = LLM(BUNDLED, step_tokens=1030, enable_prefix_caching=False)
+        llms["step-1030"] = LLM(BUNDLED, step_tokens=1030, enable_prefix_caching=False, host_kernels=host_kernels)
     llm = llms["step-1030"]
     core = llm.core
     ex = next(e for e in examples(3, 40) if e.images)

@@ -1,4 +1,5 @@
-"""Passes: layer-sliced and token-chunked prefill against the same prompt run whole."""
+"""Passes: layer-sliced and token-chunked prefill against the same prompt run whole, on the native host
+forward and on the torch forward CUDA runs (``host_kernels``: ``host-on`` / ``host-off``)."""
 
 from __future__ import annotations
 
@@ -42,16 +43,16 @@ def _run(llm, prompt, schedule, decode_steps=6):
     return got
 
 
-def test_layer_slices_are_byte_identical_to_whole(llm_factory):
-    llm = llm_factory("A", max_prefill_tokens=256)
+def test_layer_slices_are_byte_identical_to_whole(llm_factory, host_kernels):
+    llm = llm_factory("A", max_prefill_tokens=256, host_kernels=host_kernels)
     prompt = random_ids(200, 1000, seed=91)
     whole = _run(llm, prompt, [[(0, 200, 0, 6)]])
     sliced = _run(llm, prompt, [[(0, 200, 0, 1)], [(0, 200, 1, 3)], [(0, 200, 3, 4)], [(0, 200, 4, 6)]])
     assert sliced == whole  # tokens and every logprob bit-for-bit
 
 
-def test_token_chunks_match_whole(llm_factory):
-    llm = llm_factory("A", max_prefill_tokens=256)
+def test_token_chunks_match_whole(llm_factory, host_kernels):
+    llm = llm_factory("A", max_prefill_tokens=256, host_kernels=host_kernels)
     prompt = random_ids(200, 1000, seed=92)
     whole = _run(llm, prompt, [[(0, 200, 0, 6)]])
     chunked = _run(llm, prompt, [[(0, 37, 0, 6)], [(37, 64, 0, 6)], [(101, 1, 0, 6)], [(102, 98, 0, 6)]])
@@ -62,18 +63,18 @@ def test_token_chunks_match_whole(llm_factory):
         assert max(abs(x - y) for (_, x), (_, y) in zip(top_a, top_b)) < 1e-4
 
 
-def test_chunks_mixed_with_slices(llm_factory):
+def test_chunks_mixed_with_slices(llm_factory, host_kernels):
     """A chunk run whole, then the rest as a layer-sliced pass: same answer."""
-    llm = llm_factory("A", max_prefill_tokens=256)
+    llm = llm_factory("A", max_prefill_tokens=256, host_kernels=host_kernels)
     prompt = random_ids(150, 1000, seed=93)
     whole = _run(llm, prompt, [[(0, 150, 0, 6)]])
     mixed = _run(llm, prompt, [[(0, 70, 0, 6)], [(70, 80, 0, 2)], [(70, 80, 2, 5)], [(70, 80, 5, 6)]])
     assert [t for t, _, _ in mixed] == [t for t, _, _ in whole]
 
 
-def test_staging_holds_the_pass_between_steps(llm_factory):
+def test_staging_holds_the_pass_between_steps(llm_factory, host_kernels):
     """While a pass is sliced, other sequences decode in between; the pass result is unaffected."""
-    llm = llm_factory("A", max_prefill_tokens=256)
+    llm = llm_factory("A", max_prefill_tokens=256, host_kernels=host_kernels)
     engine, cache = llm.core.engine, llm.core.cache
     prompt = random_ids(120, 1000, seed=94)
     alone = _run(llm, prompt, [[(0, 120, 0, 6)]], decode_steps=0)

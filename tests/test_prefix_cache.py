@@ -4,7 +4,8 @@ Checked on checkpoint A (fp32): a hit at an interval point is bit-identical (tok
 cold run after a reset (the same cuts); every hit equals the cache-off engine token for token and
 within the chunked-prefill tolerance in logprobs (DESIGN §6); under concurrency 16 with pools small
 enough to force evictions, suspends and drops; images under a hit are not re-encoded. No page,
-snapshot or refcount is left behind.
+snapshot or refcount is left behind. Every test runs on the native host forward and on the torch forward
+CUDA runs (``host_kernels``: ``host-on`` / ``host-off``); the runs a test compares share its mode.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def shared():
     return random_ids(300, 1000, seed=11)
 
 
-def test_a_hit_is_the_cold_run_cut_at_that_point(llm_factory, shared):
+def test_a_hit_is_the_cold_run_cut_at_that_point(llm_factory, shared, host_kernels):
     """Two prompts sharing 300 tokens: the second hits at the interval point 256 (captured inside the
     first prompt's single chunk, which is not cut for it) and computes bit for bit what a cold run
     whose prefill is cut at 256 computes; a cold uncut run agrees within the chunking tolerance."""
-    core = llm_factory("A", max_seqs=4).core
+    core = llm_factory("A", max_seqs=4, host_kernels=host_kernels).core
     core.reset_prefix_cache()
     p1, p2 = shared + random_ids(40, 1000, seed=12), shared + random_ids(50, 1000, seed=13)
     first = _run(core, [p1], [_params(12)])[0]
@@ -62,28 +63,29 @@ def test_a_hit_is_the_cold_run_cut_at_that_point(llm_factory, shared):
     cold = _run(core, [p2], [_params(12)])[0]
     assert cold.cached_tokens == 0
     _close(hit, cold)
-    cut = _run(llm_factory("A", max_seqs=4, max_prefill_tokens=256, enable_prefix_caching=False).core,
-               [p2], [_params(12)])[0]
+    cut = _run(llm_factory("A", max_seqs=4, max_prefill_tokens=256, enable_prefix_caching=False,
+                       host_kernels=host_kernels).core, [p2], [_params(12)])[0]
     assert hit.output_ids == cut.output_ids and _logprobs(hit) == _logprobs(cut)
 
 
-def test_the_next_turn_hits_the_end_of_the_output(llm_factory, shared):
+def test_the_next_turn_hits_the_end_of_the_output(llm_factory, shared, host_kernels):
     """Turn 2 resends turn 1's prompt and answer: it hits where turn 1 stopped computing."""
-    core = llm_factory("A", max_seqs=4).core
+    core = llm_factory("A", max_seqs=4, host_kernels=host_kernels).core
     core.reset_prefix_cache()
     p1 = shared[:120]
     t1 = _run(core, [p1], [_params(20, seed=5)])[0]
     p2 = p1 + t1.output_ids + random_ids(30, 1000, seed=14)
     t2 = _run(core, [p2], [_params(15, seed=6)])[0]
     assert t2.cached_tokens == len(p1) + len(t1.output_ids) - 1
-    off = _run(llm_factory("A", max_seqs=4, enable_prefix_caching=False).core, [p2], [_params(15, seed=6)])[0]
+    off = _run(llm_factory("A", max_seqs=4, enable_prefix_caching=False, host_kernels=host_kernels).core, [p2],
+               [_params(15, seed=6)])[0]
     _close(t2, off)
 
 
-def test_a_cache_point_makes_the_end_of_the_user_turn_reusable(llm_factory, shared):
+def test_a_cache_point_makes_the_end_of_the_user_turn_reusable(llm_factory, shared, host_kernels):
     """DS4 thinking mode drops the last prompt token's successor from the next turn: the server asks for
     a snapshot one token before the end of the prompt, and the next turn hits exactly there."""
-    core = llm_factory("A", max_seqs=4).core
+    core = llm_factory("A", max_seqs=4, host_kernels=host_kernels).core
     core.reset_prefix_cache()
     p1 = shared[:150]
     _run(core, [p1], [_params(4)], cache_points=(len(p1) - 1,))
@@ -92,8 +94,8 @@ def test_a_cache_point_makes_the_end_of_the_user_turn_reusable(llm_factory, shar
     assert t2.cached_tokens == len(p1) - 1
 
 
-def test_hits_are_salted(llm_factory, shared):
-    core = llm_factory("A", max_seqs=4).core
+def test_hits_are_salted(llm_factory, shared, host_kernels):
+    core = llm_factory("A", max_seqs=4, host_kernels=host_kernels).core
     core.reset_prefix_cache()
     prompt = shared + [5, 6, 7]
     _run(core, [prompt], [_params(3)], cache_salt="alice")
@@ -112,16 +114,16 @@ def _groups():
 
 @pytest.mark.parametrize("seeded,host_budget,preempted", [(False, "1MB", "preempt_suspend"),
                                                           (True, "150KB", "preempt_drop")], ids=["greedy", "seeded"])
-def test_sixteen_concurrent_with_tiny_pools(seeded, host_budget, preempted, llm_factory):
+def test_sixteen_concurrent_with_tiny_pools(seeded, host_budget, preempted, llm_factory, host_kernels):
     """Concurrency 16 over a pool of ~2 prompts, with a host budget that takes suspends (greedy) or one
     too small for them, so requests are dropped and recomputed (seeded): hits, evictions and
     preemptions all happen, and every output equals the cache-off solo run."""
     prompts = _groups()
     params = [_params(8 + i % 5, seed=300 + i if seeded else None) for i in range(16)]
-    solo_core = llm_factory("A", max_seqs=1, enable_prefix_caching=False).core
+    solo_core = llm_factory("A", max_seqs=1, enable_prefix_caching=False, host_kernels=host_kernels).core
     solo = [_run(solo_core, [p], [q])[0] for p, q in zip(prompts, params)]
     core = llm_factory("A", max_seqs=16, kv_budget=640, host_budget=host_budget, step_tokens=64,
-                       max_prefill_tokens=128, prefix_cache_budget="2MB").core
+                       max_prefill_tokens=128, prefix_cache_budget="2MB", host_kernels=host_kernels).core
     core.reset_prefix_cache()
     before = dict(core.scheduler.stats)
     got = _run(core, prompts, params, every=2)
@@ -149,15 +151,15 @@ def _image_chat(core, tok, question: str):
     return prepared.ids, prepared.images
 
 
-def test_an_image_under_a_hit_is_not_encoded_again(random_ckpt):
+def test_an_image_under_a_hit_is_not_encoded_again(random_ckpt, host_kernels):
     """The second question about the same picture hits past its block: the encoder is skipped, the
     answer equals the cache-off engine's, and a drop-and-recompute comes back through the pinned hit."""
     from ds4serve.chat import Tokenizer
     from ds4serve.llm import LLM
 
     tok = Tokenizer(random_ckpt)
-    core = LLM(random_ckpt, max_seqs=4).core
-    off = LLM(random_ckpt, max_seqs=4, enable_prefix_caching=False).core
+    core = LLM(random_ckpt, max_seqs=4, host_kernels=host_kernels).core
+    off = LLM(random_ckpt, max_seqs=4, enable_prefix_caching=False, host_kernels=host_kernels).core
     first = _image_chat(core, tok, "What colour is the circle?")
     second = _image_chat(core, tok, "How many shapes are there?")
     assert first[1][0].span.end < 256 < len(second[0])
@@ -199,7 +201,7 @@ def _mixed(core, tok, solo_core):
     return prompts, images
 
 
-def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
+def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt, host_kernels):
     """Text, image and multi-turn requests together, arriving every 3 steps into a pool of ~3
     prompts: hits (images under some of them), evictions and preemptions happen, and every output
     equals the cache-off engine's solo run; nothing is left behind."""
@@ -207,9 +209,9 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     from ds4serve.llm import LLM
 
     tok = Tokenizer(random_ckpt)
-    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False).core
+    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False, host_kernels=host_kernels).core
     core = LLM(random_ckpt, max_seqs=16, kv_budget=768, host_budget="400KB", step_tokens=64,
-               max_prefill_tokens=128, prefix_cache_budget="4MB").core
+               max_prefill_tokens=128, prefix_cache_budget="4MB", host_kernels=host_kernels).core
     prompts, images = _mixed(core, tok, solo_core)
     params = [_params(8) for _ in prompts]
     solo = [_run(solo_core, [p], [q], images=ims)[0] for p, q, ims in zip(prompts, params, images)]
@@ -229,7 +231,7 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt):
     assert core.cache.state.pages.used_pages == 0
 
 
-def test_pinned_snapshots_never_stall_the_pool(random_ckpt):
+def test_pinned_snapshots_never_stall_the_pool(random_ckpt, host_kernels):
     """The same traffic in a pool of 5 prompt-chunks (640 tokens): requests that skipped their image
     through a hit pin that snapshot while they are parked, and the oldest running request needs those
     very pages. Before the fix nothing moved again: the pinned pages counted as free, so a parked pin
@@ -240,9 +242,9 @@ def test_pinned_snapshots_never_stall_the_pool(random_ckpt):
     from ds4serve.llm import LLM
 
     tok = Tokenizer(random_ckpt)
-    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False).core
+    solo_core = LLM(random_ckpt, max_seqs=1, enable_prefix_caching=False, host_kernels=host_kernels).core
     core = LLM(random_ckpt, max_seqs=16, kv_budget=640, host_budget="400KB", step_tokens=64,
-               max_prefill_tokens=128, prefix_cache_budget="8MB").core
+               max_prefill_tokens=128, prefix_cache_budget="8MB", host_kernels=host_kernels).core
     prompts, images = _mixed(core, tok, solo_core)
     reqs = [core.make_request(p, _params(8), images=ims) for p, ims in zip(prompts, images)]
     pending, step = list(reqs), 0
@@ -267,14 +269,14 @@ def test_pinned_snapshots_never_stall_the_pool(random_ckpt):
     assert core.cache.state.pages.used_pages == 0
 
 
-def test_a_dropped_image_hit_recomputes_through_its_pinned_snapshot(random_ckpt):
+def test_a_dropped_image_hit_recomputes_through_its_pinned_snapshot(random_ckpt, host_kernels):
     """No host budget, so a preempted request is dropped: the one whose image was skipped by its hit
     comes back through the snapshot it pinned (its image rows were never made) with the same answer."""
     from ds4serve.chat import Tokenizer
     from ds4serve.llm import LLM
 
     tok = Tokenizer(random_ckpt)
-    core = LLM(random_ckpt, max_seqs=4, host_budget=1).core
+    core = LLM(random_ckpt, max_seqs=4, host_budget=1, host_kernels=host_kernels).core
     first = _image_chat(core, tok, "What colour is the circle?")
     second = _image_chat(core, tok, "How many shapes are there?")
     _run(core, [first[0]], [_params(6)], images=first[1])
