@@ -4,7 +4,10 @@ Two engines on the same checkpoint, one native and one on the torch path, run th
 chunks of several sequences across window / ratio boundaries, then decode rows, then prefill chunks
 with prefix snapshots inside them) on their own state; every forward's hidden states, the LM head and,
 at the end, every state row the sequences own must agree (fp32; the two paths add in different
-orders, so within 1e-4 rather than bit for bit).
+orders, so within 1e-4 rather than bit for bit). Chunks start mid-sequence too, at odd offsets around
+every compress ratio and the window, and so do chunks holding snapshots: a chunk from position 0 reads
+no ring row written before it, and a snapshot inside it takes no row from the live ring, so those alone
+would leave both paths' ring reads (and the snapshot's ``old_*`` copies) untested.
 """
 
 from __future__ import annotations
@@ -115,22 +118,96 @@ def test_native_forward_equals_torch_on_chunks_and_decode_rows(ckpt_factory, nam
     _run_both(fast, slow, steps)
 
 
+def _cuts(cfg) -> tuple[int, list[list[int]]]:
+    """A prompt length past the window, twice the largest ratio and the indexer's top-k rows, and
+    where each of three sequences' prefill chunks end: just before / after every ratio's first two
+    boundaries and the window's (odd offsets), exactly on them, and in chunks of 1-5 tokens from an
+    odd start (short chunks each reading the rings the previous one wrote) until past the window and
+    the largest ratio."""
+    w, ratios = cfg.sliding_window, cfg.distinct_ratios
+    n = max(3 * w, 2 * max(ratios) + w, cfg.index_topk * min(ratios) + w) + 13
+    around = {k * r + d for r in ratios + (w,) for k in (1, 2) for d in (-1, 1)}
+    exact = {k * r for r in ratios + (w,) for k in (1, 2, 3)}
+    short, pos = [], 7
+    while pos < min(n, w + max(ratios) + 2):  # past one window and the largest ratio; then one chunk
+        short.append(pos)
+        pos += (1, 2, 3, 5)[len(short) % 4]
+    return n, [sorted(c for c in cuts if 0 < c < n) for cuts in (around, exact, short)]
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_chunks_starting_mid_sequence_at_ratio_and_window_edges(ckpt_factory, name):
+    """Three sequences prefilled together, forward k holding each one's k-th chunk (so chunks of
+    different starts and lengths share forwards), then decode rows past the largest ratio."""
+    fast, slow = _pair(ckpt_factory, name)
+    cfg = fast.cfg
+    n, cuts = _cuts(cfg)
+    prompts = [random_ids(n - 2 * i, cfg.vocab_size, seed=50 + i) for i in range(3)]
+    bounds = [[0] + [c for c in cs if c < len(p)] + [len(p)] for p, cs in zip(prompts, cuts)]
+    assert all(any(s % 2 for s in b[1:-1]) for b in (bounds[0], bounds[2])), "no chunk starts at an odd position"
+    steps = []
+    for k in range(max(len(b) for b in bounds) - 1):
+        steps.append([(i, b[k], prompts[i][b[k]:b[k + 1]], ()) for i, b in enumerate(bounds) if k + 1 < len(b)])
+    steps += _decode_steps(prompts, max(cfg.distinct_ratios) + 3, cfg.vocab_size)
+    _run_both(fast, slow, steps)
+
+
 def test_snapshots_inside_a_chunk_are_the_same(ckpt_factory):
     fast, slow = _pair(ckpt_factory, "B", enable_prefix_caching=True)
     cfg = fast.cfg
     prompt = random_ids(3 * cfg.sliding_window + 5, cfg.vocab_size, seed=7)
     inside = [(cfg.sliding_window + 2, 0), (2 * cfg.sliding_window + 1, 1)]
+    _unwritten_arena(fast, slow)
     _run_both(fast, slow, [[(0, 0, prompt, tuple(inside))]])
-    for (name, a), (_, b) in zip(_arena(slow), _arena(fast)):
+    for (name, a), (_, b) in zip(_arena(slow, 2), _arena(fast, 2)):
         _close(a, b, f"snapshot arena {name}")
 
 
-def _arena(llm):
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_snapshots_inside_a_chunk_starting_mid_sequence_are_the_same(ckpt_factory, name):
+    """Snapshots inside chunks that start at odd positions past the window (ring wrapped) and just past
+    a compress boundary, two sequences in one forward: a snapshot close after the chunk's start takes
+    most ring rows from the live ring as it stood before the forward (``RingCapture.old_*``), one more
+    than a ring length in takes only this forward's rows; every ring length (window, compressor spans)
+    sees both. All eight arena entries (``MAX_CAPTURES``) are written in the one forward."""
+    fast, slow = _pair(ckpt_factory, name, enable_prefix_caching=True)
+    cfg = fast.cfg
+    w, spans = cfg.sliding_window, sorted({ly.span for ly in fast.core.cache.layout.layers if ly.ratio})
+    a0, a1 = w + 3, 2 * max(cfg.distinct_ratios) + 1
+    hs0 = sorted({a0 + 1, a0 + 2, a0 + spans[0] - 1, a0 + w - 1, a0 + max(spans + [w]) + 1})
+    hs1 = sorted({a1 + 1, a1 + spans[-1] - 1, a1 + w + 2})
+    hs0 += [hs0[-1] + 3 * (i + 1) for i in range(host_decode.MAX_CAPTURES - len(hs0) - len(hs1))]  # fill up
+    n0, n1 = hs0[-1] + 5, hs1[-1] + 3
+    p0, p1 = random_ids(n0, cfg.vocab_size, seed=8), random_ids(n1, cfg.vocab_size, seed=9)
+    caps0 = tuple((h, e) for e, h in enumerate(hs0))
+    caps1 = tuple((h, len(hs0) + e) for e, h in enumerate(hs1))
+    assert len(caps0) + len(caps1) == host_decode.MAX_CAPTURES == fast.core.cache.prefix.arena.n
+    steps = [[(0, 0, p0[:a0], ()), (1, 0, p1[:a1 - 2], ())],
+             [(1, a1 - 2, p1[a1 - 2:a1], ())],  # seq 1 reaches a1 by a short chunk: its rings are mixed
+             [(0, a0, p0[a0:], caps0), (1, a1, p1[a1:], caps1)]]
+    _unwritten_arena(fast, slow)
+    _run_both(fast, slow, steps)
+    for (what, a), (_, b) in zip(_arena(slow, 8), _arena(fast, 8)):
+        _close(a, b, f"snapshot arena {what}")
+
+
+def _unwritten_arena(*llms) -> None:
+    """NaN in every arena ring row, so a row a capture should write and does not fails the comparison
+    (the arena is reserved uninitialised: two untouched copies could agree by chance, e.g. as zeros)."""
+    for llm in llms:
+        arena = llm.core.cache.prefix.arena
+        for li in range(len(arena.layers)):
+            for t in arena.rings(li).values():
+                t.fill_(float("nan"))
+
+
+def _arena(llm, entries: int):
+    """The first ``entries`` snapshot arena entries' ring rows, per layer and ring."""
     arena = llm.core.cache.prefix.arena
     for li in range(len(arena.layers)):
         for name, t in arena.rings(li).items():
             per = t.shape[0] // arena.n
-            yield f"layer {li} {name}", t[:2 * per]
+            yield f"layer {li} {name}", t[:entries * per]
 
 
 def test_greedy_generation_is_the_same_on_both_paths(ckpt_factory):
