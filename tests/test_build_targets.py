@@ -75,7 +75,8 @@ def test_exactness_suites_hold_for_the_target(target):
         pytest.skip(f"{target}: {why}")
     built = _run(target, "-c", "from ds4serve.model import host_decode as h; h.library(); print(h.description())")
     assert built.returncode == 0 and f"-march={target}" in built.stdout, built.stderr[-2000:]
-    done = _run(target, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *EXACTNESS)
+    # host-off cases run the torch forward, which no -march changes: the main run has them
+    done = _run(target, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "not host-off", *EXACTNESS)
     assert done.returncode == 0, f"built for {target}:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
 
 
