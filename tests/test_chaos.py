@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ds4serve.bench.chaos import CHAOS_SETTINGS, run_chaos
@@ -48,6 +50,25 @@ def _fault_stall_after_suspend(monkeypatch):
     from ds4serve.scheduler.scheduler import Scheduler
 
     monkeypatch.setattr(Scheduler, "_resume", lambda self, req: False)
+    _steps_wait_for_a_burst(monkeypatch, CHAOS_SETTINGS["max_seqs"] * 2)
+
+
+def _steps_wait_for_a_burst(monkeypatch, n: int, limit_s: float = 10.0) -> None:
+    """No step runs until ``n`` requests are in (or ``limit_s`` after the first): on a loaded machine the
+    client sends its burst slower than the engine answers it, the pool never fills, nothing is
+    preempted, and a fault in preemption is never reached (this failed with the cores busy)."""
+    from ds4serve.runtime.core import EngineCore
+
+    step, since = EngineCore.step, []
+
+    def gated(self):
+        since or since.append(time.monotonic())
+        if self.scheduler.stats["added"] < n and time.monotonic() - since[0] < limit_s:
+            time.sleep(0.002)
+            return []
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "step", gated)
 
 
 # Each fault gets a burst that is sure to reach the code it breaks, whatever the machine's speed:
