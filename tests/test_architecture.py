@@ -39,11 +39,17 @@ def _unit(path: Path) -> str:
     return rel[0] if len(rel) > 1 else rel[0][:-3]
 
 
-def _imports(path: Path) -> set[str]:
-    """Dotted ``ds4serve`` modules that ``path`` imports (relative imports resolved)."""
+def _imports(path: Path, runtime_only: bool = False) -> set[str]:
+    """Dotted ``ds4serve`` modules that ``path`` imports (relative imports resolved); ``runtime_only``
+    leaves out those under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
     here = ["ds4serve", *path.relative_to(PKG).with_suffix("").parts][:-1]  # the file's package
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if runtime_only and isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for n in ast.walk(node)}
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = here[:len(here) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
@@ -111,27 +117,6 @@ def test_files_stay_small():
     assert not big, big
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """``_imports`` without the ones under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-                   for n in ast.walk(node)}
-    here = ["ds4serve", *path.relative_to(PKG).with_suffix("").parts][:-1]
-    out = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            base = here[:len(here) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            names = [mod + "." + a.name for a in node.names] if not node.module else [mod]
-            out.update(n for n in names if n.startswith("ds4serve"))
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("ds4serve"))
-    return out
-
-
 def test_no_import_circles():
     """Module A imports B (at any depth of a function, not only at the top) and B imports A: neither
     can be read, tested or moved alone. The model's number formats used to sit in the checkpoint
@@ -141,7 +126,7 @@ def test_no_import_circles():
     def target(name: str) -> str | None:  # a module, or the module a name is imported from
         return name if name in modules else name.rsplit(".", 1)[0] if name.rsplit(".", 1)[0] in modules else None
 
-    graph = {m: {t for i in _runtime_imports(f) if (t := target(i)) and t != m} for m, f in modules.items()}
+    graph = {m: {t for i in _imports(f, runtime_only=True) if (t := target(i)) and t != m} for m, f in modules.items()}
     circles, state = [], {}
 
     def visit(m: str, stack: list[str]) -> None:
