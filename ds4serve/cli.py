@@ -151,12 +151,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_settings_flags(serve, EngineSettings, _ENGINE_FLAGS)
     _add_settings_flags(serve, ServerLimits, _SERVER_FLAGS)
     serve.add_argument("--vision-device", default=None, help="run the DS4V vision encoder on this device")
-    serve.add_argument("--packed-experts", nargs="?", const="on", default="auto", choices=PACKED_MODES,
-                       help="keep MXFP4 / FP8 routed experts packed in memory (~13%% of the expert bytes for MXFP4): "
-                            "on a CPU the native forward decodes their blocks in registers (decode as fast as "
-                            "dequantised experts, prefill ~1.13x slower); on CUDA Triton GEMMs do (not yet run on "
-                            "a GPU). auto (the default): packed only when dequantised experts would not fit and "
-                            "packed ones do; the flag alone means on")
+    serve.add_argument("--packed-weights", "--packed-experts", dest="packed_weights", nargs="?", const="on",
+                       default="auto", choices=PACKED_MODES,
+                       help="keep weights in memory as the checkpoint stores them: MXFP4 / FP8 routed experts, FP8 "
+                            "projections, a bf16 embedding and LM head (the log lists bytes per class). On a CPU the "
+                            "native forward decodes them in registers (4x fewer bytes than fp32 for FP8, 7.5x for "
+                            "MXFP4); on CUDA Triton GEMMs run packed experts (not yet run on a GPU). auto (the "
+                            "default): as stored wherever the native host forward runs; elsewhere experts packed "
+                            "only when dequantised ones would not fit. The flag alone means on. --packed-experts is "
+                            "the same setting under its former name")
     serve.add_argument("--threads", type=int, default=None,
                        help="CPU threads of torch and of the native host forward (default: torch's choice, "
                             "usually one per core)")
@@ -327,7 +330,7 @@ def _serve(args) -> int:
     state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
                         api_keys=keys, served_name=served, random_weights=random_weights,
                         vision_device=args.vision_device, image_hosts=hosts,
-                        packed_experts=args.packed_experts, parallel=ParallelSettings(
+                        packed_experts=args.packed_weights, parallel=ParallelSettings(
                             args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout))
     run(state, args.host, args.port, args.log_level)
     return 0

@@ -37,9 +37,10 @@ class LLM:
     """
 
     def __init__(self, path: str | Path, device: str = "cpu", dtype: str = "float32", *, progress: bool = False,
-                 eos_ids: Sequence[int] | None = None, packed_experts: bool = False, **settings):
+                 eos_ids: Sequence[int] | None = None, packed_experts: bool = False, stored_weights: bool = False,
+                 **settings):
         self.cfg, self.model = load_model(path, device=device, dtype=dtype, progress=progress,
-                                          packed_experts=packed_experts)
+                                          packed_experts=packed_experts, stored_weights=stored_weights)
         self.device = torch.device(device)
         settings.setdefault("max_stall", 0.0)
         self.core = EngineCore(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),

@@ -149,6 +149,7 @@ def test_serve_flag_alone_means_on_and_its_default_is_auto():
     from ds4serve.cli import build_parser
 
     parse = build_parser().parse_args
-    assert parse(["serve"]).packed_experts == "auto"
-    assert parse(["serve", "--packed-experts"]).packed_experts == "on"
-    assert parse(["serve", "--packed-experts", "off"]).packed_experts == "off"
+    assert parse(["serve"]).packed_weights == "auto"
+    assert parse(["serve", "--packed-weights"]).packed_weights == "on"
+    assert parse(["serve", "--packed-experts"]).packed_weights == "on"  # the former name of the one setting
+    assert parse(["serve", "--packed-experts", "off"]).packed_weights == "off"

@@ -124,7 +124,8 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     from ds4serve.runtime.core import load_core
 
     d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
-    cfg, settings = ModelConfig.from_file(d), EngineSettings(max_seqs=1, max_model_len=256)
+    # the fit rule is auto's where the native forward does not read the stored formats (host kernels off)
+    cfg, settings = ModelConfig.from_file(d), EngineSettings(max_seqs=1, max_model_len=256, host_kernels="off")
 
     def plan(packed: bool, memory: int = 1 << 40):
         return capacity.plan_capacity(cfg, torch.float32, memory, 256, settings.max_prefill_tokens,
@@ -145,5 +146,13 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     core = load_core(d, settings=settings, packed_experts="auto")
     try:
         assert not any(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)
+    finally:
+        core.close()
+    # where the native host forward runs, auto keeps every weight as stored, whatever fits
+    with caplog.at_level("INFO", logger="ds4serve.runtime.core"):
+        core = load_core(d, settings=EngineSettings(max_seqs=1, max_model_len=256), packed_experts="auto")
+    try:
+        assert all(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)
+        assert "routed experts kept packed: kept as stored (fp4)" in caplog.text
     finally:
         core.close()

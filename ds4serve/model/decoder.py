@@ -24,6 +24,7 @@ from .mhc import hc_head, hc_post, hc_pre
 from .moe import route, run_experts, run_local_experts, swiglu
 from .norms import rms_norm, rms_norm_unweighted
 from .rope import apply_rope, inverse_frequencies, rotations
+from .stored import StoredWeight, dense_weight
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -37,13 +38,16 @@ class Norm(nn.Module):
 
 
 class Linear(nn.Module):
-    """Bias-free projection; only holds ``weight [out, in]``."""
+    """Bias-free projection; only holds ``weight [out, in]`` (a parameter, or a ``StoredWeight`` kept at
+    the checkpoint's width)."""
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
         self.weight = _param(d_out, d_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, StoredWeight):
+            return self.weight.linear(x)
         return F.linear(x, self.weight)
 
 
@@ -139,7 +143,7 @@ class Compressor(nn.Module):
 
     def _emit(self, x, view, rope, key, wkv, wgate, ape, norm, ring, pool, snap=None) -> None:
         ci = view.compress[key]
-        states = token_states(x, wkv.weight, wgate.weight, ape, view.positions)
+        states = token_states(x, dense_weight(wkv.weight), dense_weight(wgate.weight), ape, view.positions)
         after = view.rings_after_write
         if after:  # one token per sequence: the ring then holds each closing window whole
             ring.index_copy_(0, ci.ring_dst, states.index_select(0, ci.ring_src))
@@ -235,7 +239,7 @@ class Attention(nn.Module):
         """Block-diagonal ``o_a``: each group of heads is projected by its own slice."""
         g = self.o_groups
         grouped = out.reshape(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H/G * hd]
-        w = self.o_a_proj.weight.view(g, self.cfg.o_lora_rank, -1)  # [G, o_lora, H/G * hd]
+        w = dense_weight(self.o_a_proj.weight).view(g, self.cfg.o_lora_rank, -1)  # [G, o_lora, H/G * hd]
         return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)
 
 
@@ -356,6 +360,8 @@ class DS4ForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        # the activations' dtype when the embedding table is stored narrower (set by the loader)
+        self.compute_dtype: torch.dtype | None = None
         if cfg.vision.enabled:
             # the four learned sentinel vectors of image blocks (spec ds4-vision §3.3), kept in fp32
             for name in ("image_start", "image_pad", "image_newline", "image_end"):
@@ -372,10 +378,11 @@ class DS4ForCausalLM(nn.Module):
         vector of their type, and IMAGE slots then receive the aligner rows (spec ds4-vision §3.3).
         """
         ids = view.ids
-        if view.is_image is None:
-            x = self.model.embed_tokens(ids)
+        widen = (lambda t: t.to(self.compute_dtype)) if self.compute_dtype is not None else (lambda t: t)
+        if view.is_image is None:  # a table kept at the checkpoint's width (bf16) has its rows widened
+            x = widen(self.model.embed_tokens(ids))
         else:
-            x = self.model.embed_tokens(torch.where(view.is_image, torch.zeros_like(ids), ids))
+            x = widen(self.model.embed_tokens(torch.where(view.is_image, torch.zeros_like(ids), ids)))
             kinds = (ids - self.cfg.vocab_size).clamp(0, 4)
             table = torch.stack([self.image_start, self.image_pad, torch.zeros_like(self.image_pad),
                                  self.image_newline, self.image_end]).to(x.dtype)

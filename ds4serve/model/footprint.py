@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .packed import PackedExperts
+from .stored import StoredWeight
 
 # (class, name fragments that put a tensor in it), first match wins
 _CLASSES = (
@@ -74,6 +75,8 @@ def _tensors(model: nn.Module):
         for attr, value in vars(module).items():
             if isinstance(value, PackedExperts):
                 yield f"{mod_name}.{attr}", value.nbytes, f"{value.fmt} packed"
+            elif isinstance(value, StoredWeight):
+                yield f"{mod_name}.{attr}", value.nbytes, value.fmt
 
 
 def footprint(cfg: ModelConfig, model: nn.Module) -> Footprint:

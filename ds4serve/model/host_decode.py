@@ -32,6 +32,7 @@ from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from .batch import BatchView, LayerState
 from .packed import PackedExperts
+from .stored import StoredWeight
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ MAX_CAPTURES = 8
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("p", c_void_p), ("ld", c_int64), ("kn", c_int64)]
+    _fields_ = [("p", c_void_p), ("ld", c_int64), ("kn", c_int64), ("fmt", c_int64), ("q", c_void_p),
+                ("scales", c_void_p), ("bn", c_int64), ("bk", c_int64), ("sld", c_int64), ("scale_rows", c_int64)]
 
 
 class _Dims(ctypes.Structure):
@@ -85,7 +87,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = (_fields(c_void_p, "embed", "image_start", "image_pad", "image_newline", "image_end", "inv_freq_main",
+    _fields_ = (_fields(c_void_p, "embed", "embed_bf16", "image_start", "image_pad", "image_newline", "image_end", "inv_freq_main",
                         "inv_freq_comp") + _fields(c_float, "af_main", "af_comp")
                 + _fields(_Weight, "head_fn") + _fields(c_void_p, "head_base", "head_scale", "final_norm")
                 + _fields(_Weight, "lm_head") + [("n_layers", c_int64), ("layers", POINTER(_Layer)), ("d", _Dims)])
@@ -199,6 +201,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_forward.restype = c_int
     lib.ds4_logits.argtypes = [POINTER(_Model), c_void_p, c_int64, c_void_p, POINTER(_Arena), c_int]
     lib.ds4_logits.restype = c_int
+    lib.ds4_linear.argtypes = [c_void_p, c_int64, c_int64, POINTER(_Weight), c_int64, c_void_p, c_int64, c_int]
+    lib.ds4_linear.restype = c_int
     lib.ds4_arena_free.argtypes = [POINTER(_Arena)]
     lib.ds4_pool_check.argtypes = [c_int64, c_int64, c_int]
     lib.ds4_pool_check.restype = c_int64
@@ -220,8 +224,14 @@ def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState],
                                                                       st.idx_ring, st.idx_pool) if t is not None]
     if any(p.device.type != "cpu" for p in params):
         return "not on the host"
-    if any(p.is_floating_point() and p.dtype != torch.float32 for p in params):
+    embed = model.model.embed_tokens.weight
+    if any(p.is_floating_point() and p.dtype != torch.float32 and p is not embed for p in params) \
+            or embed.dtype not in (torch.float32, torch.bfloat16):
         return "weights or state not in float32"
+    for name, module in model.named_modules():
+        why = _stored_unsupported(getattr(module, "weight", None), name)
+        if why:
+            return why
     layers = model.model.layers
     if any(ly.self_attn.reduce is not None or ly.mlp.reduce is not None or ly.mlp.expert_range is not None
            for ly in layers):
@@ -235,6 +245,19 @@ def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState],
             or 2 * max(cfg.compress_ratios) > limits["MAX_SPAN"] or n_keys > limits["MAX_RATIOS"]:
         return (f"more than {limits['MAX_EXPERTS']} experts, {limits['MAX_HC']} hyper-connection streams, "
                 f"{limits['MAX_RATIOS']} kinds of compressed layer or a compress span over {limits['MAX_SPAN']}")
+    return None
+
+
+def _stored_unsupported(w, name: str) -> str | None:
+    """Why the native forward cannot read this stored weight as it is (None: it can, or it is not one):
+    FP8 block scales below 2^8 (the kernels multiply by scale x 2^120, which must stay finite) and blocks
+    whose outputs are whole vectors and whose inputs come in fours (host_stored.c)."""
+    if not isinstance(w, StoredWeight) or w.fmt != "fp8":
+        return None
+    if w.device.type != "cpu" or not bool((w.scales < 256.0).all()):
+        return f"{name}: FP8 block scales of 2^8 or more"
+    if w.block[0] % 16 or w.block[1] % 4:
+        return f"{name}: FP8 blocks of {list(w.block)} (the native forward needs outputs in 16s, inputs in 4s)"
     return None
 
 
@@ -266,8 +289,10 @@ class HostDecoder:
         self._layers = (_Layer * cfg.num_layers)(*[self._layer(i, ly, st) for i, (ly, st)
                                                    in enumerate(zip(model.model.layers, states))])
         m = model.model
+        table = m.embed_tokens.weight
+        bf16 = table.dtype == torch.bfloat16
         self.model = _Model(
-            embed=self._ptr(m.embed_tokens.weight), **{name: self._ptr(getattr(model, name, None)) for name in (
+            embed=None if bf16 else self._ptr(table), embed_bf16=self._ptr(table) if bf16 else None, **{name: self._ptr(getattr(model, name, None)) for name in (
                 "image_start", "image_pad", "image_newline", "image_end")},
             inv_freq_main=self._ptr(model.inv_freq_main),
             inv_freq_comp=self._ptr(model.inv_freq_compress), af_main=cfg.rope_main.attention_factor,
@@ -386,11 +411,31 @@ class HostDecoder:
         self._keep.append(t)
         return t.data_ptr()
 
-    def _weight(self, param: torch.Tensor, kn: bool = True) -> _Weight:
+    def _stored(self, w: StoredWeight, kn: bool, group: int) -> _Weight:
+        """A weight kept at the checkpoint's width: bf16 read ``[out, in]`` as loaded; FP8 codes stored
+        ``[in, out]`` in place (once; the torch path reads the transposed view) with the block scales
+        times 2^120 (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group`` of
+        outputs not whole scale blocks), dequantised."""
+        n_out, n_in = w.shape
+        if w.fmt == "bf16":
+            self._keep.append(w.data)
+            return _Weight(None, n_in, 0, 2, w.data.data_ptr(), None, 0, 0, 0, 0)
+        if n_out % self.vw or (group and group % w.block[0]):  # o_a's groups must start on a block
+            return self._weight(nn.Parameter(w.dense(), requires_grad=False), kn)  # a copy the C alone reads
+        if w.data.stride() != (1, n_out):
+            w.data = w.data.t().contiguous().t()
+        muls = (w.scales * 2.0**120).contiguous()
+        self._keep += [w.data, muls]
+        return _Weight(None, n_out, 1, 1, w.data.data_ptr(), muls.data_ptr(), w.block[0], w.block[1],
+                       muls.shape[1], muls.shape[0])
+
+    def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:
         """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` in place
         when ``out`` is whole vectors; a small ``out`` (mHC mixes, router, indexer head weights: 4-24
         columns) as a separate ``[in, out]`` copy padded with zero columns to whole vectors (a few KB);
-        else as it is (dot products along ``in``)."""
+        else as it is (dot products along ``in``). Stored weights: ``_stored``."""
+        if isinstance(param, StoredWeight):
+            return self._stored(param, kn, group)
         n_out, n_in = param.shape
         data = param.data
         if kn and n_out % self.vw == 0:
@@ -424,7 +469,7 @@ class HostDecoder:
         out.attn_norm, out.ffn_norm = self._ptr(ly.input_layernorm.weight), self._ptr(ly.post_attention_layernorm.weight)
         out.q_a, out.q_b, out.kv = self._weight(a.q_a_proj.weight), self._weight(a.q_b_proj.weight), \
             self._weight(a.kv_proj.weight)
-        out.o_a = self._weight(a.o_a_proj.weight, kn=cfg.o_lora_rank % self.vw == 0)
+        out.o_a = self._weight(a.o_a_proj.weight, kn=cfg.o_lora_rank % self.vw == 0, group=cfg.o_lora_rank)
         out.o_b = self._weight(a.o_b_proj.weight)
         out.q_a_norm, out.kv_norm, out.sinks = self._ptr(a.q_a_norm.weight), self._ptr(a.kv_norm.weight), \
             self._ptr(a.sinks)

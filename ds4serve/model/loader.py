@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from ..config import AttnKind, ModelConfig
-from .decoder import DS4ForCausalLM
+from .decoder import DS4ForCausalLM, Linear
 from . import triton_experts
 from .footprint import footprint
 from .packed import PackedExperts
 from .rope import inverse_frequencies
 from .sharding import ShardPlan, shard_model
+from .stored import StoredWeight
 from .vision import VisionEncoder, expected_vision_tensors
 from .weights import IndexTable, load_state_dict
 
@@ -115,12 +116,14 @@ def _kind_words(cfg: ModelConfig, layer: int) -> str:
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
                progress: bool = True, vision_device: str | torch.device | None = None, packed_experts: bool = False,
                shard: ShardPlan | None = None, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               vision: bool = True) -> tuple[ModelConfig, DS4ForCausalLM]:
+               vision: bool = True, stored_weights: bool = False) -> tuple[ModelConfig, DS4ForCausalLM]:
     """Load the language model; for a DS4V checkpoint also its vision encoder, attached as
     ``model.vision_encoder`` (a plain attribute, so it may live on another device: ``vision_device``).
     ``packed_experts`` keeps MXFP4 / FP8 routed experts packed (``packed.py``; CPU only for now).
     ``shard``: this tensor-parallel rank's slices only, partial sums added by ``reduce``
-    (``sharding.py``); ``vision`` False skips the vision tower (TP workers: rank 0 encodes images)."""
+    (``sharding.py``); ``vision`` False skips the vision tower (TP workers: rank 0 encodes images).
+    ``stored_weights``: FP8 projections and a bf16 embedding / LM head stay at the checkpoint's width
+    (``stored.py``; host fp32 models, one process: the native forward reads them as they are)."""
     t0 = time.perf_counter()
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
@@ -137,11 +140,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     expected.update(expected_vision_tensors(cfg))
     if shard is not None:
         shard_model(model, shard, reduce)  # on meta: the parameters take their local shapes
+    stored = frozenset()
+    if stored_weights and device.type == "cpu" and shard is None:
+        stored = frozenset([f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)]
+                           + ["model.embed_tokens.weight"])
     sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
                          packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."),
-                         indices=index_tables(cfg), explain=lambda *names: layout_notes(cfg, *names))
+                         indices=index_tables(cfg), explain=lambda *names: layout_notes(cfg, *names), stored=stored)
     vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
-    packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], PackedExperts)}
+    packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], (PackedExperts, StoredWeight))}
     missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
     if set(missing) != set(packed) or unexpected:
         raise RuntimeError(f"state dict mismatch: missing {sorted(set(missing) - set(packed))[:5]}, "
@@ -150,9 +157,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
         module, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
         del module._parameters[attr]
         setattr(module, attr, stack)
-    if packed:
-        log.info("routed experts kept packed: %d stacks, %.1f MiB resident", len(packed),
-                 sum(p.nbytes for p in packed.values()) / 2**20)
+    stacks = [p for p in packed.values() if isinstance(p, PackedExperts)]
+    if stacks:
+        log.info("routed experts kept packed: %d stacks, %.1f MiB resident", len(stacks),
+                 sum(p.nbytes for p in stacks) / 2**20)
+    kept = [p for p in packed.values() if isinstance(p, StoredWeight)]
+    if kept:
+        log.info("projections kept at the checkpoint's width: %d (%s), %.1f MiB resident", len(kept),
+                 ", ".join(sorted({p.fmt for p in kept})), sum(p.nbytes for p in kept) / 2**20)
+    if model.model.embed_tokens.weight.dtype != dt:
+        model.compute_dtype = dt  # the embedding table kept narrower: its rows widen to the model dtype
     model.vision_encoder = None
     if cfg.vision.enabled and vision:
         vdev = torch.device(vision_device) if vision_device is not None else device

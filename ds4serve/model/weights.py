@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .packed import PackedExperts, stack_parts
 from .quant import FormatError, dequant_fp8, dequant_mxfp4, is_fp8, is_packed_fp4
+from .stored import StoredWeight
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +210,16 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
                     dtype: torch.dtype, device: torch.device | str, progress: bool = True,
                     fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False,
                     shard=None, skip: tuple[str, ...] = (), indices: Mapping[str, IndexTable] | None = None,
-                    explain: Explain | None = None) -> dict[str, torch.Tensor]:
+                    explain: Explain | None = None, stored: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Read a checkpoint into ``{hf_name: tensor}`` matching ``expected`` (name -> (full shape, dtype)).
     ``packed_experts``: quantised routed experts (official per-expert tensors) stay packed
     (``packed.PackedExperts`` values instead of tensors). ``shard`` (``sharding.ShardPlan``): only this
     rank's slices are kept, and of the routed experts only this rank's are read at all; names starting
     with a ``skip`` prefix are not loaded (a tensor-parallel worker has no vision tower). ``indices``:
     the tensors whose values are indices (``IndexTable``), checked before anything is loaded.
-    ``explain(missing, unexpected, misshaped)``: lines that say what in the config those names point at."""
+    ``explain(missing, unexpected, misshaped)``: lines that say what in the config those names point at.
+    ``stored``: names that may stay at the checkpoint's width (``stored_kind``): FP8 projections become
+    ``StoredWeight`` values, a bf16 LM head too, and a bf16 embedding table stays bf16."""
     src = _Source(checkpoint_files(Path(path)))
     src.fp8_block = fp8_block
     plan, experts, scales, ignored, unknown = _plan(src)
@@ -235,10 +238,17 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     stacked = _expert_loaders(src, experts, local, dtype, torch.device(device), packed_experts, shard)
     loaders.update(stacked)
     expected = local
-
     targets = {hf: dtype if hf in stacked else loaded_dtype(hf, expected[hf][1], dtype) for hf in loaders}
+    final = set(stacked)
+    for hf in stored if shard is None or shard.world == 1 else ():
+        kind = stored_kind(src, plan[hf], hf, dtype) if hf in plan else None
+        if kind == "bf16 table":
+            targets[hf] = torch.bfloat16
+        elif kind is not None:
+            loaders[hf] = _stored_loader(src, plan[hf], kind, device)
+            final.add(hf)
     t0 = time.perf_counter()
-    out = _materialise(loaders, stacked, expected, targets, device, progress)
+    out = _materialise(loaders, final, expected, targets, device, progress)
     seconds = time.perf_counter() - t0
     nbytes = sum(_nbytes(t) for t in out.values())
     log.info("loaded %d tensors, %.3g GiB in %.2f s (%.2f GiB/s) from %s", len(out), nbytes / 2**30, seconds,
@@ -246,7 +256,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     return out
 
 
-def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked: dict, expected: dict,
+def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked, expected: dict,
                  targets: dict[str, torch.dtype], device: torch.device | str,
                  progress: bool) -> dict[str, torch.Tensor]:
     """Run every loader, converting to its target dtype on the device. The bar counts bytes (a
@@ -258,12 +268,48 @@ def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked: dict, 
               disable=None if progress else True, leave=False) as bar:
         for hf in sorted(loaders):
             t = loaders[hf]()
-            if hf in stacked:  # built in place on the device, already final
+            if hf in stacked:  # built in place on the device (expert stacks, stored weights): already final
                 out[hf] = t
             else:  # copy=True: never keep views into the mmap (unaligned storage changes GEMM rounding)
                 out[hf] = t.to(device=device, dtype=targets[hf], copy=True).reshape(expected[hf][0])
             bar.update(_nbytes(out[hf]))
     return out
+
+
+def stored_kind(src: "_Source", name: str, hf: str, dtype: torch.dtype) -> str | None:
+    """How tensor ``name`` stays at its stored width under model dtype ``dtype`` (None: it does not):
+    "fp8" (codes and block scales), "bf16" (the LM head) or "bf16 table" (the embedding). Only where the
+    model computes in fp32 on the host: there the native forward reads these formats directly."""
+    if dtype != torch.float32:
+        return None
+    kind = src.dtype(name)
+    if kind == "F8_E4M3" and _scale_name(src, name) is not None and len(src.shape(name)) == 2:
+        return "fp8"
+    if kind == "BF16" and hf == "lm_head.weight":
+        return "bf16"
+    if kind == "BF16" and hf == "model.embed_tokens.weight":
+        return "bf16 table"
+    return None
+
+
+def _stored_loader(src: "_Source", name: str, kind: str, device) -> Callable[[], StoredWeight]:
+    def load() -> StoredWeight:
+        t = src.get(name)
+        if kind == "bf16":
+            return StoredWeight("bf16", t.to(device=device, copy=True), name=name)
+        codes = t.view(torch.uint8).to(device=device, copy=True)
+        scales = src.get(_scale_name(src, name)).float().to(device)
+        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
+            raise CheckpointError(f"FP8 tensor {name} has block scales that are not positive finite numbers")
+        if bool(((codes & 0x7F) == 0x7F).any()):
+            raise CheckpointError(f"FP8 tensor {name} holds NaN codes (0x7f / 0xff): the weights are corrupt")
+        (b0, b1), (rows, cols) = src.fp8_block, codes.shape
+        if tuple(scales.shape) != (-(-rows // b0), -(-cols // b1)):
+            raise CheckpointError(f"{name}: scale shape {list(scales.shape)} does not fit weight {[rows, cols]} with "
+                                  f"block {[b0, b1]} (set quantization_config.weight_block_size)")
+        return StoredWeight("fp8", codes, scales.contiguous(), src.fp8_block, name)
+
+    return load
 
 
 def _nbytes(t) -> int:

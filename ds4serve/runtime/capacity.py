@@ -252,9 +252,31 @@ def device_memory(device: torch.device) -> int:
         return 1 << 62  # cannot tell: do not refuse
 
 
+def choose_stored_weights(mode: str | bool, dtype: torch.dtype, device: torch.device, host_kernels: str = "auto",
+                          tensor_parallel: int = 1) -> tuple[bool, str]:
+    """Whether projections, embedding and LM head stay at the checkpoint's width (FP8 / bf16;
+    ``model/stored.py``), and why. ``auto`` keeps them where the native host forward reads them as they
+    are (a CPU, fp32 compute, one process, the kernels built): it decodes them in registers as fast as it
+    reads fp32, and a step then reads 2-4x fewer bytes. Elsewhere they are dequantised at load."""
+    if isinstance(mode, bool):
+        mode = "on" if mode else "off"
+    if mode not in PACKED_MODES:
+        raise ConfigError(f"packed weights must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on", f"--packed-weights {mode}"
+    if device.type != "cpu" or dtype != torch.float32 or tensor_parallel > 1 or host_kernels == "off":
+        return False, "the torch path computes on dequantised weights (GPU, non-fp32, tensor parallel or host kernels off)"
+    from ..model import host_decode
+
+    if host_decode.library() is None:
+        return False, "the native host forward is not available here"
+    return True, "the native host forward reads FP8, bf16 and MXFP4 weights as the checkpoint stores them"
+
+
 def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | None,
                           max_model_len: int | None, max_prefill_tokens: int = 1024, tensor_parallel: int = 1,
-                          expert_parallel: bool = False, memory: int | None = None) -> tuple[bool, str]:
+                          expert_parallel: bool = False, memory: int | None = None,
+                          stored: bool = False) -> tuple[bool, str]:
     """Whether to keep the routed experts packed, and why. ``on`` / ``off`` (or a bool) decide alone.
     ``auto`` packs only where that turns a refusal into a server: the checkpoint stores its experts in a
     packed format this device can run packed, the dequantised weights leave no room for one sequence and
@@ -277,6 +299,8 @@ def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype
                              tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, advise=False)
 
     dense = plan(False)
+    if stored and dense.weights.routed_packed is not None:
+        return True, f"kept as stored ({dense.weights.packed_format}) with the other weights"
     if dense.fits:
         return False, "the dequantised experts fit"
     if dense.weights.routed_packed is None:
@@ -314,5 +338,5 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_m
     return plan
 
 
-__all__ = ["CapacityPlan", "WeightPlan", "check_fits", "choose_packed_experts", "device_memory", "plan_capacity",
+__all__ = ["CapacityPlan", "WeightPlan", "check_fits", "choose_packed_experts", "choose_stored_weights", "device_memory", "plan_capacity",
            "plan_weights", "render_plan", "weight_kind"]

@@ -38,7 +38,7 @@ from ..multimodal.records import ImageInput
 from ..scheduler.admission import fit_problem
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
-from .capacity import check_fits, choose_packed_experts
+from .capacity import check_fits, choose_packed_experts, choose_stored_weights
 from .parallel import ParallelGroup, ParallelSettings, start_group
 from .sizing import Resolved, resolve
 from .calibrate import calibrate
@@ -257,19 +257,26 @@ class EngineCore:
 
 def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", settings: EngineSettings | None = None,
               vision_device: str | None = None, extra_eos: Sequence[int] = (),
-              packed_experts: bool | str = False, parallel: ParallelSettings | None = None) -> EngineCore:
+              packed_experts: bool | str = False, parallel: ParallelSettings | None = None,
+              packed_weights: bool | str | None = None) -> EngineCore:
     """Load a checkpoint and assemble its core (the server's way in; ``LLM`` keeps its own model).
     A model that cannot fit the device is refused before any weight is read (``capacity.check_fits``).
     ``packed_experts``: a bool, or "auto" / "on" / "off" (``capacity.choose_packed_experts``: auto packs
-    only when the dequantised experts would not fit and packed ones do).
+    only when the dequantised experts would not fit and packed ones do). ``packed_weights`` (serve's
+    ``--packed-weights``; None: as ``packed_experts``) also keeps FP8 projections and a bf16 embedding /
+    LM head as stored (``capacity.choose_stored_weights``), and then the experts packed too.
     ``parallel`` with ``tensor_parallel_size > 1`` starts the other ranks (``parallel.py``) first."""
     t0 = time.perf_counter()
     s = settings or EngineSettings()
     tp = parallel.tensor_parallel_size if parallel is not None else 1
     ep = parallel is not None and parallel.expert_parallel
     cfg0, dt, dev = ModelConfig.from_file(model_dir), parse_dtype(dtype), torch.device(device)
-    packed_experts, why = choose_packed_experts(packed_experts, cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens,
-                                                tp, ep)
+    stored, why_stored = choose_stored_weights(packed_experts if packed_weights is None else packed_weights, dt, dev,
+                                               s.host_kernels, tp)
+    log.info("projections, embedding and LM head %s: %s", "kept as stored" if stored else "dequantised at load",
+             why_stored)
+    packed_experts, why = choose_packed_experts(packed_experts if packed_weights is None else packed_weights, cfg0,
+                                                dt, dev, s.max_model_len, s.max_prefill_tokens, tp, ep, stored=stored)
     log.info("routed experts %s: %s", "kept packed" if packed_experts else "dequantised at load", why)
     check_fits(cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens, packed_experts, tp, ep)
     group = None
@@ -277,7 +284,7 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
         group, cfg, model = start_group(model_dir, parallel, device, dtype, packed_experts)
     else:
         cfg, model = load_model(model_dir, device=device, dtype=dtype, progress=True, vision_device=vision_device,
-                                packed_experts=packed_experts)
+                                packed_experts=packed_experts, stored_weights=stored)
     loaded = time.perf_counter() - t0
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
     try:

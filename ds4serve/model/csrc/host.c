@@ -7,6 +7,7 @@
 #include "host_base.c"
 #include "host_pool.c"
 #include "host_kernels.c"
+#include "host_stored.c"
 #include "host_packed.c"
 #include "host_layers.c"
 #include "host_forward.c"

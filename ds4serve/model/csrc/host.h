@@ -13,8 +13,8 @@
    logits within 1e-4; sums are ordered differently, so not bit for bit).
 
    One translation unit, host.c, which includes the parts in order: host_base.c (ring writes, captures,
-   the arena), host_pool.c (the thread pool), host_kernels.c (products, norms, RoPE, mHC), host_packed.c
-   (products over MXFP4 experts), host_layers.c (compressor, attention, experts), host_forward.c (the
+   the arena), host_pool.c (the thread pool), host_kernels.c (products, norms, RoPE, mHC), host_stored.c
+   (products over FP8 and bf16 weights decoded in registers), host_packed.c (products over MXFP4 experts), host_layers.c (compressor, attention, experts), host_forward.c (the
    step, the entry points and the ABI table). This header holds what they share: the vector type and
    its fused multiply-add, the named limits, the bounds checks and the descriptors. Every formula names the Python
    function it mirrors. Nothing is allocated per step: scratch comes from a caller-owned arena that grows
@@ -128,10 +128,29 @@ __attribute__((noreturn, cold)) static void ds4_out_of_bounds(const char *what, 
 /* ---- descriptors (filled once by host_decode.py; field order must match its ctypes mirrors) ---- */
 
 typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded to whole vectors) or [N, K] */
-    const float *p;
+    const float *p;       /* fmt 0: fp32 */
     int64_t ld;
     int64_t kn;
+    int64_t fmt;          /* 0 fp32 at p; 1 FP8 e4m3 codes at q, [K, N]; 2 bf16 at q, [N, K] (host_stored.c) */
+    const uint8_t *q;
+    const float *scales;  /* fmt 1: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks, times 2^120 */
+    int64_t bn, bk, sld, scale_rows;
 } Weight;
+
+/* outputs [n0, ...) of a weight (a group of o_a's block-diagonal rows); an FP8 weight's n0 is a whole
+   number of scale blocks (host_decode.py keeps other FP8 weights dequantised) */
+static inline Weight weight_cols(Weight w, int64_t n0) {
+    if (w.fmt == 1) {
+        w.q += n0;
+        w.scales += (n0 / w.bn) * w.sld;
+        w.scale_rows -= n0 / w.bn;
+    } else if (w.fmt == 2) {
+        w.q += n0 * w.ld * 2;
+    } else {
+        w.p += w.kn ? n0 : n0 * w.ld;
+    }
+    return w;
+}
 
 typedef struct {
     int64_t hidden, hc, n_heads, head_dim, rope_dim, q_lora, o_groups, o_lora;
@@ -171,6 +190,7 @@ typedef struct {
 
 typedef struct {
     const float *embed;  /* [vocab, D] */
+    const uint8_t *embed_bf16;  /* [vocab, D] bf16 instead of embed (or NULL) */
     const float *image_start, *image_pad, *image_newline, *image_end;  /* DS4V sentinel rows (or NULL) */
     const float *inv_freq_main, *inv_freq_comp;
     float af_main, af_comp;

@@ -84,6 +84,7 @@ static int embed(const Model *m, const StepView *v, float *streams) {
     for (int64_t t = 0; t < T; t++) {
         int64_t id = v->ids[t];
         const float *row = NULL;
+        int token = 0;
         if (v->is_image && v->is_image[t]) {
             int64_t kind = id - d->vocab;
             if (kind < 0 || kind > 4 || (kind != 2 && !sentinel[kind])) return -2;
@@ -91,12 +92,18 @@ static int embed(const Model *m, const StepView *v, float *streams) {
         } else if (id < 0 || id >= d->vocab) {
             return -2;
         } else {
-            row = m->embed + id * D;
+            token = 1;
         }
-        for (int64_t i = 0; i < hc; i++) {
-            float *o = streams + (t * hc + i) * D;
-            if (row) memcpy(o, row, (size_t)D * 4); else memset(o, 0, (size_t)D * 4);
-        }
+        float *first = streams + t * hc * D;
+        if (token && m->embed_bf16)
+            b16_row(m->embed_bf16, id, D, first);  /* the table kept as the checkpoint stores it */
+        else if (token)
+            memcpy(first, m->embed + id * D, (size_t)D * 4);
+        else if (row)
+            memcpy(first, row, (size_t)D * 4);
+        else
+            memset(first, 0, (size_t)D * 4);
+        for (int64_t i = 1; i < hc; i++) memcpy(streams + (t * hc + i) * D, first, (size_t)D * 4);
     }
     for (int64_t r = 0; r < v->n_image_rows; r++) {
         int64_t t = v->image_rows[r];

@@ -233,7 +233,14 @@ static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight); column blocks
    on the pool once there are ~32k multiply-adds per chunk. A [K, N] weight is stored padded to whole
    vectors (host_decode.py), and writes padded(N) columns: the caller's ldy makes room for them. */
+static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y,
+                          int64_t ldy);  /* host_stored.c */
+
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
+    if (w.fmt) {
+        stored_linear(x, ldx, M, K, w, N, y, ldy);
+        return;
+    }
     int row = w.kn && M <= ROWS_MAX;
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);  /* every thread gets a panel */
     int64_t panel = per_thread < ROW_PANEL ? per_thread : ROW_PANEL;

@@ -338,8 +338,7 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     parallel(T, 16, unrope_rows, &job);
     int64_t G = d->o_groups, ol = d->o_lora, X = H * hd / G;
     for (int64_t g = 0; g < G; g++) {  /* block-diagonal o_a: group g of the heads by its own rows */
-        Weight wg = L->o_a;
-        wg.p += L->o_a.kn ? g * ol : g * ol * L->o_a.ld;
+        Weight wg = weight_cols(L->o_a, g * ol);
         linear(s->out + g * X, H * hd, T, X, wg, ol, s->o_mid + g * ol, G * ol);
     }
     linear(s->o_mid, G * ol, T, G * ol, L->o_b, D, y, D);

@@ -1,0 +1,181 @@
+"""Weights kept at the checkpoint's width (issue 26): FP8 projections and a bf16 embedding / LM head.
+
+The native products over stored weights (``csrc/host_stored.c``) decode each weight in registers and add
+in the fp32 kernels' order, so they must equal the same kernels over the dequantised values bit for bit
+(every M, partial scale blocks, K tails), rows must not depend on the batch, the torch path over a
+stored model must equal dequantise-at-load bit for bit, and the native forward must match the torch
+path. The FP8 checkpoints are made by ``test_weights``' quantiser (written independently of the loader).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import APPENDIX_A, write_config
+from ds4serve.llm import LLM
+from ds4serve.model import host_decode
+from ds4serve.model.footprint import footprint
+from ds4serve.model.stored import StoredWeight
+from model_helpers import random_ids
+from test_host_decode import _decode_steps, _run_both
+from test_weights import _quantize_fp8, _quantize_mxfp4
+
+FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+BLOCK = 32
+
+
+def _lib():
+    lib = host_decode.library()
+    if lib is None:
+        pytest.skip("the native host forward could not be built here")
+    return lib
+
+
+def _run(lib, x: torch.Tensor, w, n: int) -> torch.Tensor:
+    y = torch.full((x.shape[0], n), float("nan"))
+    assert lib.ds4_linear(x.data_ptr(), x.shape[0], x.shape[1], ctypes.byref(w), n, y.data_ptr(), n, 2) == 0
+    return y
+
+
+def _fp8_weight(n: int, k: int, block: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, s = _quantize_fp8(torch.randn(n, k, generator=g) * 0.05, block)
+    dense = q.float() * s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return q.view(torch.uint8), s, dense
+
+
+@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (256, 512, 128), (128, 1030, 16)])
+def test_fp8_products_equal_the_fp32_kernels_over_dequantised_weights(n, k, block):
+    """Stored [K, N] FP8 (scales x 2^120) vs the fp32 [K, N] kernels over the dequantised weights: the same
+    bits for 1-3 rows (streamed rows), more rows (decoded blocks under the register tiles), partial scale
+    blocks (200 = 4 x 48 + 8) and K tails; and close to a plain matmul (the values are right)."""
+    lib = _lib()
+    codes, s, dense = _fp8_weight(n, k, block, seed=n + k)
+    kn_codes, muls, dense_kn = codes.t().contiguous(), (s * 2.0**120).contiguous(), dense.t().contiguous()
+    stored = host_decode._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
+                                 muls.shape[0])
+    fp32 = host_decode._Weight(dense_kn.data_ptr(), n, 1)
+    g = torch.Generator().manual_seed(k)
+    for m in (1, 2, 3, 4, 7, 9, 13):
+        x = torch.randn(m, k, generator=g)
+        got = _run(lib, x, stored, n)
+        assert torch.equal(got, _run(lib, x, fp32, n)), m
+        assert (got - x @ dense.t()).abs().max() < 1e-3
+        assert torch.equal(_run(lib, x[-1:], stored, n)[0], got[-1]), m  # a row alone = the row in a batch
+
+
+@pytest.mark.parametrize("n,k", [(96, 200), (130, 64)])
+def test_bf16_products_equal_the_fp32_kernels_over_widened_weights(n, k):
+    lib = _lib()
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    wide = w.float().contiguous()
+    stored = host_decode._Weight(None, k, 0, 2, w.data_ptr(), None, 0, 0, 0, 0)
+    fp32 = host_decode._Weight(wide.data_ptr(), k, 0)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k, generator=g)
+        got = _run(lib, x, stored, n)
+        assert torch.equal(got, _run(lib, x, fp32, n)), m
+        assert torch.equal(_run(lib, x[-1:], stored, n)[0], got[-1]), m
+
+
+def _flash_like(ckpt_factory, tmp_path):
+    """Checkpoint A stored as DS4-Flash stores its weights: FP8 projections (block 32), bf16 embedding
+    and head, MXFP4 experts."""
+    _, path = ckpt_factory("A")
+    tensors = load_file(str(path / "model.safetensors"))
+    for k in list(tensors):
+        if FP8.search(k):
+            q, s = _quantize_fp8(tensors[k], BLOCK)
+            tensors[k], tensors[k[:-len(".weight")] + ".scale"] = q, s
+        elif EXPERT.search(k):
+            codes, exps = _quantize_mxfp4(tensors[k])
+            tensors[k], tensors[k[:-len(".weight")] + ".scale"] = codes.view(torch.int8), exps
+        elif k in ("embed.weight", "model.embed_tokens.weight", "head.weight"):
+            tensors[k] = tensors[k].to(torch.bfloat16)
+    assert sum(bool(FP8.search(k)) for k in tensors) >= 30
+    d = tmp_path / "flash-like"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    write_config(d, dict(APPENDIX_A, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "expert_dtype": "fp4",
+                                                          "weight_block_size": [BLOCK, BLOCK]}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def flash_dir(ckpt_factory, tmp_path_factory):
+    return _flash_like(ckpt_factory, tmp_path_factory.mktemp("stored"))
+
+
+def test_stored_weights_hold_the_checkpoint_width(flash_dir):
+    stored = LLM(flash_dir, max_seqs=2, packed_experts=True, stored_weights=True, host_kernels="on")
+    loaded = LLM(flash_dir, max_seqs=2, host_kernels="on")
+    a = stored.model.model.layers[0].self_attn
+    assert isinstance(a.q_b_proj.weight, StoredWeight) and a.q_b_proj.weight.fmt == "fp8"
+    assert isinstance(stored.model.lm_head.weight, StoredWeight) and stored.model.lm_head.weight.fmt == "bf16"
+    assert stored.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not isinstance(loaded.model.lm_head.weight, StoredWeight)
+    host = stored.core.engine.host
+    assert host is not None
+    kept = {t.data_ptr() for t in host._keep}
+    assert a.q_b_proj.weight.data.data_ptr() in kept  # read where loaded, no fp32 copy
+    values = a.q_b_proj.weight.dense()
+    assert not [t for t in host._keep if t.dtype == torch.float32 and any(
+        t.shape == v.shape and torch.equal(t, v) for v in (values, values.t()))]
+    small, big = footprint(stored.cfg, stored.model), footprint(loaded.cfg, loaded.model)
+    assert small.held["attention"] * 3 < big.held["attention"]
+    assert small.held["LM head"] * 2 == big.held["LM head"]
+    assert small.per_token_total * 2 < big.per_token_total
+    assert "fp8" in small.formats["attention"] and "bf16" in small.formats["LM head"]
+
+
+def test_the_torch_path_over_stored_weights_equals_dequantise_at_load(flash_dir):
+    stored = LLM(flash_dir, max_seqs=2, stored_weights=True, host_kernels="off")
+    loaded = LLM(flash_dir, max_seqs=2, host_kernels="off")
+    ids = random_ids(50, 1000, seed=5)
+    assert torch.equal(stored.prompt_logits(ids), loaded.prompt_logits(ids))
+
+
+def test_native_forward_over_stored_weights_equals_the_torch_path(flash_dir):
+    fast = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="on")
+    slow = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="off")
+    assert fast.core.engine.host is not None and slow.core.engine.host is None
+    cfg = fast.cfg
+    w = cfg.sliding_window
+    prompts = [random_ids(n, cfg.vocab_size, seed=70 + n) for n in (w + 3, 2 * w + 11, 37)]
+    steps = [[(0, 0, prompts[0][:5], ()), (1, 0, prompts[1][:w - 1], ())],
+             [(0, 5, prompts[0][5:], ()), (1, w - 1, prompts[1][w - 1:], ()), (2, 0, prompts[2], ())]]
+    _run_both(fast, slow, steps + _decode_steps(prompts, 2 * max(cfg.distinct_ratios) + 3, cfg.vocab_size))
+
+
+def test_stored_rows_are_batch_invariant_and_prefix_hits_exact(flash_dir):
+    llm = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="on")
+    prompts = [random_ids(n, 1000, seed=40 + n) for n in (7, 45, 70)]
+    solo = [llm.generate_with_logprobs([p], max_tokens=8, ignore_eos=True, logprobs=3)[0] for p in prompts]
+    together = llm.generate_with_logprobs(prompts, max_tokens=8, ignore_eos=True, logprobs=3)
+    assert all(len(lps) == 8 for _, lps in solo)
+    assert together == solo
+    again = llm.generate_with_logprobs(prompts, max_tokens=8, ignore_eos=True, logprobs=3)  # prefix-cache hits
+    assert again == solo
+
+
+def test_nan_fp8_codes_are_refused_at_load(flash_dir, tmp_path):
+    from ds4serve.model.weights import CheckpointError
+
+    tensors = load_file(str(flash_dir / "model.safetensors"))
+    name = next(k for k in tensors if FP8.search(k))
+    codes = tensors[name].view(torch.uint8).clone()
+    codes[0, 0] = 0x7F
+    tensors[name] = codes.view(torch.float8_e4m3fn)
+    d = tmp_path / "nan"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "config.json").write_text((flash_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="NaN codes"):
+        LLM(d, stored_weights=True)
