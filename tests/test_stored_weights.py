@@ -179,3 +179,21 @@ def test_nan_fp8_codes_are_refused_at_load(flash_dir, tmp_path):
     (d / "config.json").write_text((flash_dir / "config.json").read_text())
     with pytest.raises(CheckpointError, match="NaN codes"):
         LLM(d, stored_weights=True)
+
+
+@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (130, 64, 16), (256, 384, 128)])
+def test_native_fp8_dequantisation_equals_the_torch_form(n, k, block, monkeypatch):
+    """``StoredWeight.dense`` by the C loop on torch's threads, for weights as loaded ([out, in]) and as
+    the native forward stores them ([in, out] underneath), equals ``quant.dequant_fp8`` bit for bit."""
+    from ds4serve.model import native
+    from ds4serve.model.quant import dequant_fp8
+
+    codes, s, _ = _fp8_weight(n, k, block, seed=k)
+    ref = dequant_fp8(codes.view(torch.float8_e4m3fn), s, (block, block))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # row ranges cut on block edges
+    for layout in (codes, codes.t().contiguous().t()):
+        got = native.fp8_native(layout, s, (block, block))
+        if got is None:
+            pytest.skip("native kernels unavailable")
+        assert got.shape == ref.shape and torch.equal(got, ref)
+        assert torch.equal(StoredWeight("fp8", layout, s, (block, block)).dense(), ref)

@@ -78,14 +78,23 @@ class PackedExperts:
             return None
         ids = experts.tolist()  # sync-ok: host-only path, a handful of expert ids
         out = torch.empty(len(ids), *self.shape[1:], dtype=torch.float32)
-        for k, e in enumerate(ids):
+
+        def expert(k: int) -> bool:
             row = 0
             for p in self.parts:
                 n = p.codes.shape[1]
-                if mxfp4_native(p.codes[e], p.scales[e], out[k, row:row + n]) is None:
-                    return None
+                if mxfp4_native(p.codes[ids[k]], p.scales[ids[k]], out[k, row:row + n]) is None:
+                    return False
                 row += n
-        return out
+            return True
+
+        threads = min(len(ids), torch.get_num_threads())
+        if threads <= 1:
+            return out if all(expert(k) for k in range(len(ids))) else None
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads) as pool:  # the C loop releases the GIL: experts in parallel
+            return out if all(pool.map(expert, range(len(ids)))) else None
 
     def __repr__(self) -> str:
         return f"PackedExperts({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB resident)"

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from .native import fp8_native
 from .quant import dequant_fp8
 
 FORMATS = ("fp8", "bf16")
 # rows of a stored weight dequantised at once on the torch path (the LM head: 129,280 rows)
 _ROWS_PER_BLOCK = 8192
+_WHOLE_ELEMENTS = 1 << 26  # a weight up to this size is dequantised whole (256 MB of fp32)
 
 
 class StoredWeight:
@@ -56,6 +58,9 @@ class StoredWeight:
             part = self.data if rows is None else self.data[rows]
             return part.float()
         if rows is None:
+            fast = fp8_native(self.data, self.scales, self.block)
+            if fast is not None:
+                return fast
             return dequant_fp8(self.data.view(torch.float8_e4m3fn), self.scales, self.block, self.name)
         b0 = self.block[0]
         start, stop = rows.start or 0, rows.stop if rows.stop is not None else self.shape[0]
@@ -68,7 +73,7 @@ class StoredWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ dense().T`` in blocks of output rows (never a whole fp32 copy of a large weight)."""
         out_dim = self.shape[0]
-        if out_dim <= _ROWS_PER_BLOCK:
+        if out_dim <= _ROWS_PER_BLOCK or self.data.numel() <= _WHOLE_ELEMENTS:
             return torch.nn.functional.linear(x, self.dense().to(x.dtype))
         out = torch.empty(*x.shape[:-1], out_dim, dtype=x.dtype, device=x.device)
         step = _ROWS_PER_BLOCK - _ROWS_PER_BLOCK % self.block[0] if self.fmt == "fp8" else _ROWS_PER_BLOCK

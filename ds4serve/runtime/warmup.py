@@ -110,8 +110,11 @@ def check_host(core: EngineCore) -> None:
     if host is None:
         return
     room = cache.free_pages * cache.layout.page_tokens - 2  # the pool may be tiny (tests force eviction)
-    n = max(2, min(2 * core.cfg.sliding_window + 9, core.settings.max_prefill_tokens, core.resolved.max_model_len - 2,
-                   room))
+    # past one sliding window (the decode row then reads a wrapped ring, late queries lose early keys) and
+    # one window of the largest compress ratio (every compressor emits); at DS4-Flash's widths each token
+    # of the torch reference costs ~30 ms, so no longer than that
+    want = max(core.cfg.sliding_window + 9, max(core.cfg.compress_ratios, default=0) + 1)
+    n = max(2, min(want, core.settings.max_prefill_tokens, core.resolved.max_model_len - 2, room))
     slot = cache.alloc_slot()
     try:
         if slot is None or not cache.reserve({slot: n + 1}):

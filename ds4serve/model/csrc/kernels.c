@@ -72,3 +72,28 @@ void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, floa
         }
     }
 }
+
+/* FP8 e4m3 dequantisation: codes [rows, cols] (physical layout, contiguous) times their block's fp32
+   scale, into out [rows, cols]. Blocks are br physical rows x bc columns; scales [ceil(rows / br),
+   ceil(cols / bc)] contiguous, or, with transposed, [ceil(cols / bc), ceil(rows / br)] (codes stored
+   [in, out] for a weight whose scales are [out, in] blocks). Each output is the code's exact value
+   times the scale, one fp32 product, as ``code.float() * scale`` rounds it. NaN codes are refused at load. */
+void ds4_fp8_f32(const unsigned char *codes, long rows, long cols, const float *scales, long br, long bc,
+                 int transposed, float *out) {
+    float lut[256];
+    for (int b = 0; b < 256; b++) {  /* sign, 4 exponent bits biased by 7, 3 mantissa bits */
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+        lut[b] = (b & 0x80) ? -v : v;
+    }
+    long srows = (rows + br - 1) / br, scols = (cols + bc - 1) / bc;
+    for (long r = 0; r < rows; r++) {
+        const unsigned char *c = codes + r * cols;
+        float *o = out + r * cols;
+        for (long b = 0; b < scols; b++) {
+            float s = transposed ? scales[b * srows + r / br] : scales[(r / br) * scols + b];
+            long end = (b + 1) * bc < cols ? (b + 1) * bc : cols;
+            for (long j = b * bc; j < end; j++) o[j] = lut[c[j]] * s;
+        }
+    }
+}
