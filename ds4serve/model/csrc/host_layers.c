@@ -408,8 +408,8 @@ static void grouped_experts(const Model *m, const Layer *L, MoeScratch *s) {
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         if (!n) continue;
         /* stored [E, D, 2I] / [E, I, D] ([K, N] per expert) or as the checkpoint has them */
-        Weight gu = {L->exp_gate_up + e * 2 * I * D, L->exp_kn ? 2 * I : D, L->exp_kn},
-               dn = {L->exp_down + e * D * I, L->exp_kn ? D : I, L->exp_kn};
+        Weight gu = {.p = L->exp_gate_up + e * 2 * I * D, .ld = L->exp_kn ? 2 * I : D, .kn = L->exp_kn},
+               dn = {.p = L->exp_down + e * D * I, .ld = L->exp_kn ? D : I, .kn = L->exp_kn};
         linear(s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
         for (int64_t i = a; i < a + n; i++) {
             float *h = s->h + i * 2 * I;
