@@ -29,11 +29,35 @@ typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint8_t vq __attribute__((vector_size(VW)));
 
-/* VW FP8 e4m3 codes -> their values times mul (the block's scale times 2^120) */
-static inline vf fp8_vec(const uint8_t *p, vf mul) {
+/* VW bytes / 16-bit values zero-extended to 32-bit lanes: one instruction where the target has it
+   (GCC 12 scalarises __builtin_convertvector from bytes: 16 inserts a vector, 3 G weights/s) */
+static inline vu widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
     vq b;
     memcpy(&b, p, sizeof b);
-    vu u = __builtin_convertvector(b, vu);
+    return __builtin_convertvector(b, vu);
+#endif
+}
+
+static inline vu widen_u16(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vu);
+#endif
+}
+
+/* VW FP8 e4m3 codes -> their values times mul (the block's scale times 2^120) */
+static inline vf fp8_vec(const uint8_t *p, vf mul) {
+    vu u = widen_u8(p);
     vu bits = ((u & 0x7Fu) << 20) | ((u & 0x80u) << 24);
     vf f;
     memcpy(&f, &bits, sizeof f);
@@ -49,9 +73,7 @@ static inline float fp8_one(uint8_t c, float mul) {
 
 /* VW bf16 values (2 bytes each) widened to fp32 */
 static inline vf bf16_vec(const uint8_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu bits = __builtin_convertvector(h, vu) << 16;
+    vu bits = widen_u16(p) << 16;
     vf f;
     memcpy(&f, &bits, sizeof f);
     return f;
@@ -66,20 +88,22 @@ static inline float bf16_one(const uint8_t *p) {
     return f;
 }
 
-/* the block scale (times 2^120) of weight row k, output column n of an FP8 [K, N] weight */
-static inline float fp8_mul(const Weight *w, int64_t k, int64_t n) {
-    BOUND("FP8 scale block (outputs)", n / w->bn, w->scale_rows);
-    BOUND("FP8 scale block (inputs)", k / w->bk, w->sld);
-    return w->scales[(n / w->bn) * w->sld + k / w->bk];
-}
-
 /* ---- FP8 [K, N]: one to ROWS_MAX rows, the order of kn_rows ---------------------------------------- */
 
-/* the scales (times 2^120) of the nv vectors from column n0 in weight row k: muls[j] */
+/* the scales (times 2^120) of the nv vectors from column n0 in weight row k: muls[j] (two divisions a
+   call, not two a vector: the block size is a multiple of VW, so a vector never straddles blocks) */
 static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t nv, float *muls) {
-    for (int64_t j = 0; j < nv; j++) muls[j] = fp8_mul(w, k, n0 + j * VW);
+    int64_t nb = n0 / w->bn, next = (nb + 1) * w->bn, kb = k / w->bk;
+    for (int64_t j = 0; j < nv; j++) {
+        int64_t n = n0 + j * VW;
+        if (n >= next) nb++, next += w->bn;
+        BOUND("FP8 scale block (outputs)", nb, w->scale_rows);
+        BOUND("FP8 scale block (inputs)", kb, w->sld);
+        muls[j] = w->scales[nb * w->sld + kb];
+    }
 }
 
+#define F8_ROWS_MAX 8  /* rows per pass of the streamed kernel: decoding, not the FMAs, bounds it */
 #define F8_ROWS(MR)                                                                                      \
     static void f8_rows_##MR(const float *x, int64_t ldx, int64_t K, const Weight *w, int64_t n0, float *y, \
                              int64_t ldy, int64_t nv) {                                                 \
@@ -125,16 +149,31 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
 F8_ROWS(1)
 F8_ROWS(2)
 F8_ROWS(3)
+F8_ROWS(4)
+F8_ROWS(5)
+F8_ROWS(6)
+F8_ROWS(7)
+F8_ROWS(8)
 
 static void f8_row_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
     for (int64_t b = lo; b < hi; b++) {
         int64_t n0 = b * j->panel, n1 = n0 + j->panel < j->N ? n0 + j->panel : j->N, nv = (n1 - n0) / VW;
         float *y = j->y + n0;
-        switch (j->M) {
-            case 1: f8_rows_1(j->x, j->ldx, j->K, &j->w, n0, y, j->ldy, nv); break;
-            case 2: f8_rows_2(j->x, j->ldx, j->K, &j->w, n0, y, j->ldy, nv); break;
-            default: f8_rows_3(j->x, j->ldx, j->K, &j->w, n0, y, j->ldy, nv); break;
+        for (int64_t m0 = 0; m0 < j->M; m0 += F8_ROWS_MAX) {  /* each weight decoded once per 8 rows */
+            int64_t mr = j->M - m0 < F8_ROWS_MAX ? j->M - m0 : F8_ROWS_MAX;
+            const float *x = j->x + m0 * j->ldx;
+            float *ym = y + m0 * j->ldy;
+            switch (mr) {
+                case 1: f8_rows_1(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 2: f8_rows_2(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 3: f8_rows_3(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 4: f8_rows_4(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 5: f8_rows_5(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 6: f8_rows_6(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 7: f8_rows_7(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                default: f8_rows_8(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+            }
         }
     }
 }
@@ -213,6 +252,12 @@ static void b16_blocks(void *c, int64_t lo, int64_t hi) {
     }
 }
 
+/* up to this many rows stream the weight rows (each FP8 weight decoded once per 8 rows); more decode
+   blocks under the register tiles, which reuse each decoded weight for every row */
+#ifndef F8_ROWS_THRESHOLD
+#define F8_ROWS_THRESHOLD 16
+#endif
+
 /* linear() over a stored weight (fmt 1: FP8 [K, N]; fmt 2: bf16 [N, K]); the same blocking as fp32 */
 static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y,
                           int64_t ldy) {
@@ -222,7 +267,7 @@ static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Wei
         parallel(blocks, per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block, b16_blocks, &job);
         return;
     }
-    int row = M <= ROWS_MAX;
+    int row = M <= F8_ROWS_THRESHOLD;
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);
     int64_t panel = per_thread < ROW_PANEL ? per_thread : ROW_PANEL;
     LinearJob job = {x, ldx, M, K, w, padded(N), y, ldy, panel};
