@@ -5,9 +5,11 @@
    that reads experts as fp32 streams 7.5x the memory and a real checkpoint does not fit a host at all.
    Here the experts stay as the checkpoint has them (packed.py: codes [E, rows, K / 2], two E2M1 values
    a byte, the even input in the low nibble; scales [E, rows, K / 32], UE8M0 exponent bytes) and each
-   block of 32 weights is decoded in registers right before its multiply-adds: one table lookup and one
-   fp32 product per value, the same product quant.dequant_mxfp4 makes, so the weights are exactly the
-   dequantise-at-load values.
+   block of 32 weights is decoded in registers right before its multiply-adds: a permute per 16 values
+   out of the 16 weights its exponent byte allows (q_lut: fp4 value x 2^(e - 127), the one fp32 product
+   quant.dequant_mxfp4 makes, done once at load), so the weights are exactly the dequantise-at-load
+   values. Every row count, decode (1-8 rows an expert) and prefill alike, runs register tiles that
+   decode each block once for up to 5 rows.
 
    The products run along K ([N, K] dot products): one block's 16 bytes become the 16 even and the 16
    odd inputs' weights (low and high nibbles), so the input rows are first reordered the same way within
@@ -15,9 +17,6 @@
    fixed order whatever else is in the batch. */
 #include "host.h"
 
-
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-typedef uint8_t vb __attribute__((vector_size(VW)));
 
 typedef struct {  /* one expert stack packed: up to two parts along the output rows (gate, up) */
     const uint8_t *codes[2], *scales[2];
@@ -28,9 +27,17 @@ typedef struct {  /* one expert stack packed: up to two parts along the output r
 static float e8m0[256];
 static const float fp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+/* the 16 weights a code can stand for under each exponent byte: q_lut[e][c] = fp4[c] * 2^(e - 127), the
+   one fp32 product quant.dequant_mxfp4 makes, done once here instead of once per block (16 KiB) */
+static float q_lut[256][16] __attribute__((aligned(64)));
 
 __attribute__((constructor)) static void e8m0_init(void) {  /* 2 ** (byte - 127), as exp2 gives it (255: inf) */
     for (int e = 0; e < 256; e++) e8m0[e] = ldexpf(1.0f, e - 127);
+    /* read through volatile so that the compiler multiplies every entry: folding -a * s into -(a * s)
+       is the same number except for 0 * inf (byte 255), whose NaN would change sign */
+    const volatile float *f = fp4;
+    for (int e = 0; e < 256; e++)
+        for (int c = 0; c < 16; c++) q_lut[e][c] = f[c] * e8m0[e];
 }
 
 /* one output row's packed codes and scales in expert e */
@@ -41,26 +48,43 @@ static inline void qrow(const QStack *q, int64_t e, int64_t n, const uint8_t **c
     *s = q->scales[p] + (e * rows + r) * (q->K / 32);
 }
 
-/* the block's 32 weights in input order (even/odd runs of VW), scaled: w[0 .. 32 / VW) */
-static inline void qdecode(const uint8_t *codes, float scale, vf *w) {
-    vf lut_lo, lut_hi;
-    memcpy(&lut_lo, fp4, sizeof lut_lo);
-    for (int h = 0; h < 16 / VW; h++) {
-        vb bytes;
-        memcpy(&bytes, codes + h * VW, sizeof bytes);
-        vi b = __builtin_convertvector(bytes, vi);
-        vi lo = b & 15, hi = b >> 4;
-#if VW == 16
-        (void)lut_hi;
-        w[2 * h] = __builtin_shuffle(lut_lo, lo) * scale;
-        w[2 * h + 1] = __builtin_shuffle(lut_lo, hi) * scale;
-#else
-        memcpy(&lut_hi, fp4 + VW, sizeof lut_hi);
-        w[2 * h] = __builtin_shuffle(lut_lo, lut_hi, lo) * scale;
-        w[2 * h + 1] = __builtin_shuffle(lut_lo, lut_hi, hi) * scale;
-#endif
+/* The block's 32 weights in input order (even/odd runs of VW), scaled: w[0 .. 32 / VW), picked from the
+   block's row of q_lut by explicit permutes. (GCC 12 compiled the generic form, a byte vector converted
+   to int lanes and a variable __builtin_shuffle, into a load, a move and an insert per value: the
+   decode cost ~10x the multiply-adds.) */
+#if defined(__AVX512F__)
+static inline void qdecode(const uint8_t *codes, uint8_t sbyte, vf *w) {
+    __m512 lut = _mm512_load_ps(q_lut[sbyte]);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));  /* vpermps reads 4 bits */
+    w[0] = (vf)_mm512_permutexvar_ps(b, lut);
+    w[1] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);
+}
+#elif defined(__AVX2__)
+/* two 8-entry permutes (codes 0-7 and 8-15; the permute reads 3 index bits) and a blend on the code's
+   bit 3 moved to the sign bit */
+static inline __m256 qpick(__m256 lo, __m256 hi, __m256i idx, __m256i sign) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(sign));
+}
+static inline void qdecode(const uint8_t *codes, uint8_t sbyte, vf *w) {
+    __m256 lo = _mm256_load_ps(q_lut[sbyte]), hi = _mm256_load_ps(q_lut[sbyte] + 8);
+    for (int h = 0; h < 2; h++) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * h)));
+        w[2 * h] = (vf)qpick(lo, hi, b, _mm256_slli_epi32(b, 28));
+        w[2 * h + 1] = (vf)qpick(lo, hi, _mm256_srli_epi32(b, 4), _mm256_slli_epi32(b, 24));
     }
 }
+#else
+static inline void qdecode(const uint8_t *codes, uint8_t sbyte, vf *w) {
+    const float *t = q_lut[sbyte];
+    for (int h = 0; h < 16 / VW; h++)
+        for (int j = 0; j < VW; j++) {
+            uint8_t c = codes[h * VW + j];
+            w[2 * h][j] = t[c & 15];
+            w[2 * h + 1][j] = t[c >> 4];
+        }
+}
+#endif
 
 /* rows [M, K] (row stride ld) reordered in place within each block of 32 inputs to the order qdecode
    gives the weights: for each run h of VW bytes, the even inputs 2 (h VW + j), then the odd ones */
@@ -78,26 +102,97 @@ static void qperm_rows(float *x, int64_t M, int64_t K, int64_t ld) {
         }
 }
 
-/* y[m, n] = sum_k xq[m, k] w[n, k] for up to 4 rows x 4 outputs of expert e */
+/* Codes are prefetched this many bytes ahead of the block being decoded: the row streams of a tile
+   (1-6 at a time, K / 2 bytes apart) come from memory at decode and the hardware prefetch alone left one
+   core waiting on them (M = 1 from DRAM: 21 -> 28-31 G weights/s on one core of the Zen 5 measured). */
+#define Q_PF 512
+
+/* With 32 vector registers a block's inputs of every row are loaded once into registers and serve all
+   NR outputs (an empty asm keeps GCC from folding them back into NR memory operands each); with 16
+   there is no room, and each multiply-add reads its input from L1. */
+#if VW == 16
+#define Q_HOIST 1
+#define Q_KEEP(v) __asm__("" : "+v"(v))
+#else
+#define Q_HOIST 0
+#define Q_KEEP(v) ((void)0)
+#endif
+
+/* y[m, n] = sum_k xq[m, k] w[n, k] for MR rows x NR outputs (codes c[j], scales s[j]; nb blocks of 32),
+   each block decoded in registers once for the MR rows. One function per shape, so the MR x NR
+   accumulators stay in registers. Per output: lanes of fused multiply-adds over the k vectors in order
+   from zero, then the lane sum, the order nk_tile adds in over a decoded panel (which the former panel
+   path of this file used; the bits do not depend on the tile a row lands in). */
+#define Q_TILE(MR, NR)                                                                                     \
+    static void q_tile_##MR##x##NR(const float *x, int64_t ldx, const uint8_t *const *c,                      \
+                                   const uint8_t *const *s, int64_t nb, float *y, int64_t ldy) {             \
+        vf acc[MR][NR];                                                                                    \
+        for (int i = 0; i < MR; i++)                                                                       \
+            for (int j = 0; j < NR; j++) acc[i][j] = (vf){};                                               \
+        for (int64_t b = 0; b < nb; b++) {                                                                 \
+            const float *xb = x + b * 32;                                                                  \
+            vf xv[MR][Q_HOIST ? 32 / VW : 1];                                                              \
+            if (Q_HOIST)                                                                                   \
+                for (int i = 0; i < MR; i++)                                                               \
+                    for (int v = 0; v < 32 / VW; v++) {                                                    \
+                        xv[i][v] = vload(xb + i * ldx + v * VW);                                           \
+                        Q_KEEP(xv[i][v]);                                                                  \
+                    }                                                                                      \
+            for (int j = 0; j < NR; j++) {                                                                 \
+                vf w[32 / VW];                                                                             \
+                __builtin_prefetch(c[j] + b * 16 + Q_PF);                                                  \
+                qdecode(c[j] + b * 16, s[j][b], w);                                                        \
+                for (int v = 0; v < 32 / VW; v++)                                                          \
+                    for (int i = 0; i < MR; i++)                                                           \
+                        acc[i][j] = vfma(Q_HOIST ? xv[i][Q_HOIST ? v : 0] : vload(xb + i * ldx + v * VW), w[v], \
+                                         acc[i][j]);                                                       \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MR; i++)                                                                       \
+            for (int j = 0; j < NR; j++) y[i * ldy + j] = vsum(acc[i][j]);                                 \
+    }
+
+typedef void (*q_tile_fn)(const float *, int64_t, const uint8_t *const *, const uint8_t *const *, int64_t, float *,
+                          int64_t);
+
+/* Tiles of 1 .. Q_MR rows, each with the output count measured fastest for it (enough independent
+   accumulator chains to hide the multiply-add latency and share the input loads, few enough to stay in
+   registers), and the one-output tile for the outputs left over. More rows than Q_MR run as tiles of 4
+   (the fastest per multiply-add) and one of the rest, each decoding the blocks again: the decode is a
+   fifth of a 4-row tile's work, less than the panel of decoded weights this replaced cost to write
+   and read back. Q_OUT, the outputs one pool item covers, is a multiple of every NR. */
+#if VW == 16
+#define Q_MR 5
+#define Q_OUT 60
+Q_TILE(1, 6) Q_TILE(2, 4) Q_TILE(3, 6) Q_TILE(4, 5) Q_TILE(5, 4)
+static const q_tile_fn q_tiles[Q_MR + 1] = {NULL, q_tile_1x6, q_tile_2x4, q_tile_3x6, q_tile_4x5, q_tile_5x4};
+static const int q_tile_nr[Q_MR + 1] = {0, 6, 4, 6, 5, 4};
+Q_TILE(1, 1) Q_TILE(2, 1) Q_TILE(3, 1) Q_TILE(4, 1) Q_TILE(5, 1)
+static const q_tile_fn q_tiles1[Q_MR + 1] = {NULL, q_tile_1x1, q_tile_2x1, q_tile_3x1, q_tile_4x1, q_tile_5x1};
+#else
+#define Q_MR 5
+#define Q_OUT 8
+Q_TILE(1, 4) Q_TILE(2, 4) Q_TILE(3, 2) Q_TILE(4, 2) Q_TILE(5, 2)
+static const q_tile_fn q_tiles[Q_MR + 1] = {NULL, q_tile_1x4, q_tile_2x4, q_tile_3x2, q_tile_4x2, q_tile_5x2};
+static const int q_tile_nr[Q_MR + 1] = {0, 4, 4, 2, 2, 2};
+Q_TILE(1, 1) Q_TILE(2, 1) Q_TILE(3, 1) Q_TILE(4, 1) Q_TILE(5, 1)
+static const q_tile_fn q_tiles1[Q_MR + 1] = {NULL, q_tile_1x1, q_tile_2x1, q_tile_3x1, q_tile_4x1, q_tile_5x1};
+#endif
+
+/* y[m, n] for the mr <= Q_MR rows at x and the nr outputs n0.. of expert e, decoded in registers */
 static void q_tile(const float *x, int64_t ldx, int mr, const QStack *q, int64_t e, int64_t n0, int nr, float *y,
                    int64_t ldy) {
-    const uint8_t *c[4], *s[4];
-    for (int j = 0; j < nr; j++) qrow(q, e, n0 + j, &c[j], &s[j]);
-    vf acc[4][4];
-    memset(acc, 0, sizeof acc);
-    for (int64_t b = 0; b < q->K / 32; b++) {
-        vf w[4][32 / VW];
-        for (int j = 0; j < nr; j++) qdecode(c[j] + b * 16, e8m0[s[j][b]], w[j]);
-        for (int i = 0; i < mr; i++) {
-            const float *xb = x + i * ldx + b * 32;
-            for (int v = 0; v < 32 / VW; v++) {
-                vf a = vload(xb + v * VW);
-                for (int j = 0; j < nr; j++) acc[i][j] = vfma(a, w[j][v], acc[i][j]);
-            }
-        }
+    int64_t nb = q->K / 32;
+    int w = q_tile_nr[mr], j = 0;
+    const uint8_t *c[8], *s[8];
+    for (; j + w <= nr; j += w) {
+        for (int t = 0; t < w; t++) qrow(q, e, n0 + j + t, &c[t], &s[t]);
+        q_tiles[mr](x, ldx, c, s, nb, y + j, ldy);
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = vsum(acc[i][j]);
+    for (; j < nr; j++) {
+        qrow(q, e, n0 + j, &c[0], &s[0]);
+        q_tiles1[mr](x, ldx, c, s, nb, y + j, ldy);
+    }
 }
 
 typedef struct {
@@ -109,46 +204,19 @@ typedef struct {
     int64_t ldy;
 } QJob;
 
-/* the nr output rows n0.. of expert e decoded whole into w [nr, K] (in the decode's input order) */
-static void q_decode_rows(const QStack *q, int64_t e, int64_t n0, int nr, float *w) {
-    for (int j = 0; j < nr; j++) {
-        const uint8_t *c, *s;
-        qrow(q, e, n0 + j, &c, &s);
-        for (int64_t b = 0; b < q->K / 32; b++) {
-            vf v[32 / VW];
-            qdecode(c + b * 16, e8m0[s[b]], v);
-            memcpy(w + j * q->K + b * 32, v, sizeof v);
-        }
-    }
-}
-
-static __thread float *q_panel;  /* a pool thread's decoded rows (grown as needed, kept for the next step) */
-static __thread int64_t q_panel_floats;
-
-/* Few rows decode each block in registers as they go; more rows (prefill) decode the four output rows
-   once into a panel and run the dense [N, K] tiles over it, which add in the same order (k vectors in
-   sequence per lane, then the lane sum), so a row's result is the same bits either way. */
+/* Q_OUT outputs per item, every row of the batch over them: the item's codes (Q_OUT x K / 2 bytes) stay
+   in cache while the row tiles pass over them. Each row's sums run in the same order whatever tile
+   it is in, so a row's result does not depend on the batch. */
 static void q_blocks(void *c, int64_t lo, int64_t hi) {
     const QJob *j = (const QJob *)c;
-    int64_t K = j->q->K;
-    float *panel = NULL;
-    if (j->M > 4) {
-        if (q_panel_floats < 4 * K) {
-            float *grown = realloc(q_panel, (size_t)(4 * K) * 4);
-            if (grown) q_panel = grown, q_panel_floats = 4 * K;
-        }
-        panel = q_panel_floats >= 4 * K ? q_panel : NULL;  /* out of memory: decode as we go */
-    }
     for (int64_t b = lo; b < hi; b++) {
-        int64_t n0 = b * 4;
-        int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
-        if (panel) q_decode_rows(j->q, j->e, n0, nr, panel);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
-            int mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
-            if (panel)
-                nk_tile(j->x + m0 * j->ldx, j->ldx, mr, K, panel, K, nr, j->y + m0 * j->ldy + n0, j->ldy);
-            else
-                q_tile(j->x + m0 * j->ldx, j->ldx, mr, j->q, j->e, n0, nr, j->y + m0 * j->ldy + n0, j->ldy);
+        int64_t n0 = b * Q_OUT;
+        int nr = (int)(j->N - n0 < Q_OUT ? j->N - n0 : Q_OUT);
+        for (int64_t m0 = 0; m0 < j->M;) {
+            int64_t left = j->M - m0;
+            int mr = (int)(left <= Q_MR ? left : 4);
+            q_tile(j->x + m0 * j->ldx, j->ldx, mr, j->q, j->e, n0, nr, j->y + m0 * j->ldy + n0, j->ldy);
+            m0 += mr;
         }
     }
 }
@@ -157,7 +225,7 @@ static void q_blocks(void *c, int64_t lo, int64_t hi) {
 static void q_linear(const float *xq, int64_t ldx, int64_t M, const QStack *q, int64_t e, int64_t N, float *y,
                      int64_t ldy) {
     QJob job = {xq, ldx, M, q, e, N, y, ldy};
-    int64_t blocks = (N + 3) / 4, per_block = M * q->K * 4;
+    int64_t blocks = (N + Q_OUT - 1) / Q_OUT, per_block = M * q->K * Q_OUT;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
     parallel(blocks, grain, q_blocks, &job);
 }
