@@ -96,7 +96,7 @@ def test_packed_experts_in_bounded_groups_match_within_rounding(ckpt_factory, tm
     one = stack.shape[1] * stack.shape[2] * 4
     monkeypatch.setattr(moe, "PACKED_TILE_BYTES", 2 * one)  # gate_up + down of one expert < 2 gate_ups
     original = PackedExperts.take
-    monkeypatch.setattr(PackedExperts, "take", lambda self, e: taken.append(e.numel()) or original(self, e))
+    monkeypatch.setattr(PackedExperts, "take", lambda self, e, out=None: taken.append(e.numel()) or original(self, e, out))
     monkeypatch.setattr(moe, "DENSE_WEIGHT_BYTES", 0)  # the grouped path, which groups apply to
     ids = random_ids(60, 1000, seed=4)
     got, want = packed.prompt_logits(ids), loaded.prompt_logits(ids)

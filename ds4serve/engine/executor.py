@@ -93,9 +93,9 @@ class Engine:
             self.host = None
 
     @torch.inference_mode()
-    def host_disagrees(self, chunks: list[SeqChunk], what: str, tolerance: float) -> str | None:
-        """Run one forward of ``chunks`` both ways, and the LM head on its last row: None when the native
-        results are within ``tolerance`` of the torch ones (relative to their scale), else what differs.
+    def host_disagrees(self, chunks: list[SeqChunk], what: str, tolerance: float, head: bool = True) -> str | None:
+        """Run one forward of ``chunks`` both ways, and (``head``) the LM head on its last row: None when the
+        native results are within ``tolerance`` of the torch ones (relative to their scale), else what differs.
         Only for views that are the same forward when run twice (see ``warmup.check_host``)."""
         # with query tiles: the torch reference of a long chunk then attends over shared key blocks instead
         # of gathering a private key list per query (~70 MB more at start-up on the Flash-shaped checkpoint)
@@ -103,7 +103,9 @@ class Engine:
                           max_image_tokens=self.cfg.vision.max_n_token, tiles=True)
         ref = self._decode_forward(view)
         got = self.host.forward(view)
-        pairs = ((ref, got, "hidden states"), (self.model.logits(ref[-1:]), self.host.logits(ref[-1:]), "logits"))
+        pairs = [(ref, got, "hidden states")]
+        if head:
+            pairs.append((self.model.logits(ref[-1:]), self.host.logits(ref[-1:]), "logits"))
         for a, b, name in pairs:
             scale = max(1.0, float(a.abs().max()))  # sync-ok: start-up self-check
             diff = float((a - b).abs().max()) if bool(torch.isfinite(b).all()) else float("inf")  # sync-ok

@@ -132,13 +132,16 @@ def _packed_pairs(x, tokens, experts, weights, gate_up: PackedExperts, down: Pac
         used = torch.unique(experts)  # sync-ok: sorted expert ids (host path)
     group = max(1, PACKED_TILE_BYTES // _packed_bytes(gate_up, down))
     out = torch.zeros_like(x)
+    bufs = [torch.empty(min(group, used.numel()), *s.shape[1:], dtype=s.dtype, device=x.device) if x.device.type == "cpu"
+            else None for s in (gate_up, down)]  # one buffer for every group (host: the native loop fills it)
     for start in range(0, used.numel(), group):  # a loop over expert groups, not sequences
         ids = used[start:start + group]
         remap = torch.full((gate_up.n_experts,), -1, dtype=experts.dtype, device=experts.device)
         remap[ids] = torch.arange(ids.numel(), dtype=experts.dtype, device=experts.device)
         sub = remap[experts]
         keep = sub >= 0
-        out.add_(_grouped_pairs(x, tokens[keep], sub[keep], weights[keep], gate_up.take(ids), down.take(ids), limit))
+        gu, dn = (st.take(ids, b[:ids.numel()] if b is not None else None) for st, b in zip((gate_up, down), bufs))
+        out.add_(_grouped_pairs(x, tokens[keep], sub[keep], weights[keep], gu, dn, limit))
     return out
 
 
@@ -179,7 +182,7 @@ def _grouped_pairs(x, tokens, experts, weights, gate_up, down, limit, top_k: int
 
 
 # packed experts are dequantised this many bytes at a time at most (a Flash expert is 100 MB in fp32)
-PACKED_TILE_BYTES = 512 << 20
+PACKED_TILE_BYTES = 256 << 20
 
 
 def _packed_experts(x, idx, weights, gate_up: PackedExperts, down: PackedExperts, limit, dense: bool):

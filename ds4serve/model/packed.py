@@ -51,9 +51,11 @@ class PackedExperts:
         """Resident bytes (codes and scales)."""
         return sum(t.numel() * t.element_size() for p in self.parts for t in (p.codes, p.scales))
 
-    def take(self, experts: torch.Tensor) -> torch.Tensor:
-        """The dequantised weights of ``experts`` (sorted unique expert ids) -> ``[len, rows, cols]``."""
-        fast = self._take_native(experts)
+    def take(self, experts: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dequantised weights of ``experts`` (sorted unique expert ids) -> ``[len, rows, cols]``,
+        written into ``out`` where the native loop applies and ``out`` fits (a buffer reused across
+        groups: first touches of fresh memory cost more than the decoding on a VM)."""
+        fast = self._take_native(experts, out)
         if fast is not None:
             return fast
         pieces = []
@@ -68,7 +70,7 @@ class PackedExperts:
         full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
         return full.to(self.dtype)
 
-    def _take_native(self, experts: torch.Tensor) -> torch.Tensor | None:
+    def _take_native(self, experts: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """MXFP4 with byte scales on the host: each (expert, part) decoded by the C kernel straight into
         its rows of one fp32 result (no gather of codes, no concatenation); ``None`` elsewhere."""
         from .native import mxfp4_native
@@ -77,7 +79,9 @@ class PackedExperts:
                 or any(p.scales.dtype != torch.uint8 for p in self.parts):
             return None
         ids = experts.tolist()  # sync-ok: host-only path, a handful of expert ids
-        out = torch.empty(len(ids), *self.shape[1:], dtype=torch.float32)
+        shape = (len(ids), *self.shape[1:])
+        fits = into is not None and into.dtype == torch.float32 and into.is_contiguous() and tuple(into.shape) == shape
+        out = into if fits else torch.empty(shape, dtype=torch.float32)
 
         def expert(k: int) -> bool:
             row = 0
