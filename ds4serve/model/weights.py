@@ -255,9 +255,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     final = set(stacked)
     for hf in stored if shard is None or shard.world == 1 else ():
         kind = stored_kind(src, plan[hf], hf, dtype) if hf in plan else None
-        if kind == "bf16 table":
-            targets[hf] = torch.bfloat16
-        elif kind is not None:
+        if kind is not None:
             loaders[hf] = _stored_loader(src, plan[hf], kind, device)
             final.add(hf)
     t0 = time.perf_counter()
@@ -324,12 +322,20 @@ def stored_kind(src: "_Source", name: str, hf: str, dtype: torch.dtype) -> str |
     return None
 
 
-def _stored_loader(src: "_Source", name: str, kind: str, device) -> Callable[[], StoredWeight]:
-    def load() -> StoredWeight:
+def _stored_loader(src: "_Source", name: str, kind: str, device) -> Callable[[], StoredWeight | torch.Tensor]:
+    """Tensors kept at their stored width are not copied on the host: they stay views of the mapped
+    checkpoint (read-only pages the kernel shares with the page cache, as llama.cpp maps its GGUF), so
+    loading them costs nothing and they are resident once, not once mapped and once copied. Nothing
+    writes to them; only the native forward and the torch path's dequantisers read them."""
+    def load() -> StoredWeight | torch.Tensor:
         t = src.get(name)
+        if torch.device(device).type != "cpu":
+            t = t.to(device=device, copy=True)
+        if kind == "bf16 table":
+            return t
         if kind == "bf16":
-            return StoredWeight("bf16", t.to(device=device, copy=True), name=name)
-        codes = t.view(torch.uint8).to(device=device, copy=True)
+            return StoredWeight("bf16", t, name=name)
+        codes = t.view(torch.uint8)
         scales = src.get(_scale_name(src, name)).float().to(device)
         if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
             raise CheckpointError(f"FP8 tensor {name} has block scales that are not positive finite numbers")
