@@ -414,7 +414,7 @@ class HostDecoder:
     def _stored(self, w: StoredWeight, kn: bool, group: int) -> _Weight:
         """A weight kept at the checkpoint's width: bf16 read ``[out, in]`` as loaded; FP8 codes stored
         ``[in, out]`` in place (once; the torch path reads the transposed view) with the block scales
-        times 2^120 (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group`` of
+        (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group`` of
         outputs not whole scale blocks), dequantised."""
         n_out, n_in = w.shape
         if w.fmt == "bf16":
@@ -424,10 +424,10 @@ class HostDecoder:
             return self._weight(nn.Parameter(w.dense(), requires_grad=False), kn)  # a copy the C alone reads
         if w.data.stride() != (1, n_out):
             w.data = w.data.t().contiguous().t()
-        muls = (w.scales * 2.0**120).contiguous()
-        self._keep += [w.data, muls]
-        return _Weight(None, n_out, 1, 1, w.data.data_ptr(), muls.data_ptr(), w.block[0], w.block[1],
-                       muls.shape[1], muls.shape[0])
+        scales = w.scales.contiguous()
+        self._keep += [w.data, scales]
+        return _Weight(None, n_out, 1, 1, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
+                       scales.shape[1], scales.shape[0])
 
     def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:
         """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` in place

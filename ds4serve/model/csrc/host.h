@@ -133,7 +133,7 @@ typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded 
     int64_t kn;
     int64_t fmt;          /* 0 fp32 at p; 1 FP8 e4m3 codes at q, [K, N]; 2 bf16 at q, [N, K] (host_stored.c) */
     const uint8_t *q;
-    const float *scales;  /* fmt 1: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks, times 2^120 */
+    const float *scales;  /* fmt 1: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks */
     int64_t bn, bk, sld, scale_rows;
 } Weight;
 

@@ -18,9 +18,9 @@
    Decoding FP8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits): the code's low 7 bits
    shifted to the top of an fp32 exponent/mantissa field give the value times 2^-120 exactly (normal
    and subnormal codes alike; the fp32 is then normal for normal codes and subnormal for subnormal
-   ones), the sign goes to bit 31, and one product by the block scale times 2^120 (host_decode.py
-   premultiplies; a power of two, so exact) gives the value times its scale rounded once, as the
-   dequantiser's `code.float() * scale` rounds it once. NaN codes (0x7f / 0xff) are refused at load.
+   ones), the sign goes to bit 31, and one product by the block scale times 2^120 (a power of two, so
+   exact) gives the value times its scale rounded once, as the dequantiser's `code.float() * scale`
+   rounds it once. Targets with F16C take a shorter route to the value times 2^-8 (fp8_vec). NaN codes (0x7f / 0xff) are refused at load.
    bf16 widens exactly: its 16 bits become the top half of the fp32. */
 #include "host.h"
 
@@ -55,7 +55,27 @@ static inline vu widen_u16(const uint8_t *p) {
 #endif
 }
 
-/* VW FP8 e4m3 codes -> their values times mul (the block's scale times 2^120) */
+/* VW FP8 e4m3 codes -> their values times mul (the block's scale times FP8_BIAS). With F16C (AVX2 and
+   AVX-512 targets) a code becomes an fp16 with the same fields one exponent bit wider: the sign-extended
+   byte shifted left by 7 puts the exponent and mantissa in place, and clearing bit 14 (set by the sign
+   extension of a negative code) leaves the sign alone in bit 15; the fp16 is the code's value times 2^-8
+   exactly (normal and subnormal codes), and vcvtph2ps widens it exactly: 4 instructions a vector where
+   the integer route below takes 6. */
+#if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__))
+#define FP8_BIAS 0x1p8f
+static inline vf fp8_vec(const uint8_t *p, vf mul) {
+#if defined(__AVX512F__)
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
+    return (vf)_mm512_cvtph_ps(h) * mul;
+#else
+    __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF));
+    return (vf)_mm256_cvtph_ps(h) * mul;
+#endif
+}
+#else
+#define FP8_BIAS 0x1p120f
 static inline vf fp8_vec(const uint8_t *p, vf mul) {
     vu u = widen_u8(p);
     vu bits = ((u & 0x7Fu) << 20) | ((u & 0x80u) << 24);
@@ -63,13 +83,7 @@ static inline vf fp8_vec(const uint8_t *p, vf mul) {
     memcpy(&f, &bits, sizeof f);
     return f * mul;
 }
-
-static inline float fp8_one(uint8_t c, float mul) {
-    uint32_t bits = ((uint32_t)(c & 0x7Fu) << 20) | ((uint32_t)(c & 0x80u) << 24);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f * mul;
-}
+#endif
 
 /* VW bf16 values (2 bytes each) widened to fp32 */
 static inline vf bf16_vec(const uint8_t *p) {
@@ -90,7 +104,7 @@ static inline float bf16_one(const uint8_t *p) {
 
 /* ---- FP8 [K, N]: one to ROWS_MAX rows, the order of kn_rows ---------------------------------------- */
 
-/* the scales (times 2^120) of the nv vectors from column n0 in weight row k: muls[j] (two divisions a
+/* the scales (times FP8_BIAS) of the nv vectors from column n0 in weight row k: muls[j] (two divisions a
    call, not two a vector: the block size is a multiple of VW, so a vector never straddles blocks) */
 static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t nv, float *muls) {
     int64_t nb = n0 / w->bn, next = (nb + 1) * w->bn, kb = k / w->bk;
@@ -99,7 +113,7 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
         if (n >= next) nb++, next += w->bn;
         BOUND("FP8 scale block (outputs)", nb, w->scale_rows);
         BOUND("FP8 scale block (inputs)", kb, w->sld);
-        muls[j] = w->scales[nb * w->sld + kb];
+        muls[j] = w->scales[nb * w->sld + kb] * FP8_BIAS;  /* a power of two: exact */
     }
 }
 
