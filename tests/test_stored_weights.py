@@ -50,7 +50,7 @@ def _fp8_weight(n: int, k: int, block: int, seed: int):
     return q.view(torch.uint8), s, dense
 
 
-@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (256, 512, 128), (128, 1030, 16)])
+@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (256, 512, 128), (128, 1030, 16), (16512, 70, 16)])
 def test_fp8_products_equal_the_fp32_kernels_over_dequantised_weights(n, k, block):
     """Stored [K, N] FP8 vs the fp32 [K, N] kernels over the dequantised weights: the same
     bits for 1-3 rows (streamed rows), more rows (decoded blocks under the register tiles), partial scale

@@ -118,10 +118,17 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
 }
 
 #define F8_ROWS_MAX 8  /* rows per pass of the streamed kernel: decoding, not the FMAs, bounds it */
+/* outputs per panel of the streamed kernel at one row (half at two, a quarter beyond): each weight row is
+   read in runs of `panel` bytes and the panel's outputs stay in L1/L2. FP8 codes in 1 KB runs (fp32's
+   1024-output panel) streamed at ~20 G weights/s, 8 KB runs at ~25 (one row of 4096 x 8192 on 2 threads;
+   8 rows 6 -> 13-15) */
+#ifndef F8_PANEL_MAX
+#define F8_PANEL_MAX 8192
+#endif
 #define F8_ROWS(MR)                                                                                      \
     static void f8_rows_##MR(const float *x, int64_t ldx, int64_t K, const Weight *w, int64_t n0, float *y, \
                              int64_t ldy, int64_t nv) {                                                 \
-        float muls[ROW_PANEL / VW];                                                                      \
+        float muls[F8_PANEL_MAX / VW];                                                                   \
         int64_t kb_end = 0; /* the first weight row of the next block of scales */                      \
         for (int i = 0; i < MR; i++)                                                                     \
             for (int64_t j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, (vf){});                      \
@@ -283,7 +290,9 @@ static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Wei
     }
     int row = M <= F8_ROWS_THRESHOLD;
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);
-    int64_t panel = per_thread < ROW_PANEL ? per_thread : ROW_PANEL;
+    int64_t cap = M <= 1 ? F8_PANEL_MAX : M <= 2 ? F8_PANEL_MAX / 2 : F8_PANEL_MAX / 4;
+    cap = cap < 4 * VW ? 4 * VW : cap;
+    int64_t panel = per_thread < cap ? per_thread : cap;
     LinearJob job = {x, ldx, M, K, w, padded(N), y, ldy, panel};
     int64_t width = row ? panel : 4 * VW;
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
