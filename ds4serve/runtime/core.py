@@ -12,6 +12,7 @@ plan, fold it back. Used synchronously by ``LLM.generate`` and from the engine-l
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -291,6 +292,10 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
         core = EngineCore(cfg, model, s, device, parse_dtype(dtype), eos_ids=eos, parallel=group)
         core.startup = {"load": loaded, **core.startup}
         log.info("%s", core.describe_startup())
+        # what start-up built lives as long as the process: out of the collector's reach, so the full
+        # collections that the steps' allocations trigger do not walk it again (~2% of a decode step)
+        gc.collect()
+        gc.freeze()
         return core
     except BaseException:
         if group is not None:
