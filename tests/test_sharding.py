@@ -20,7 +20,7 @@ from ds4serve.engine.parallel import CallRecorder, Mirrored, Replayer
 from ds4serve.model import load_model
 from ds4serve.model.packed import PackedExperts
 from ds4serve.model.sharding import ShardPlan
-from ds4serve.model.weights import _Source
+from ds4serve.model.checkpoint import Source as _Source
 from ds4serve.runtime.capacity import plan_capacity, plan_weights
 from ds4serve.tiny.random_model import BUNDLED
 from test_capacity import ROUTED, _flash

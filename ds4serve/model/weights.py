@@ -14,7 +14,6 @@ routing's ``tid2eid``) of the wrong dtype or shape or with a value outside the r
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -24,18 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .checkpoint import (CheckpointError, Source, checkpoint_files, scale_name, scaled_weight, stored_kind,
+                         stored_loader)
 from .packed import PackedExperts, stack_parts
 from .quant import FormatError, dequant_fp8, dequant_mxfp4, is_fp8, is_packed_fp4
-from .stored import StoredWeight
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """The checkpoint does not match the model config (the message lists what is wrong)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +108,6 @@ _OFFICIAL_LAYER_RE = [(re.compile(p), r) for p, r in _OFFICIAL_LAYER]
 _EXPERT_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.(weight|scale)$")
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _FP4_STORAGE = {"I8", "U8", "F4"}  # safetensors dtypes that hold packed FP4 codes
-_SCALE_SUFFIXES = (".scale", ".weight_scale_inv", "_scale_inv")
 
 
 def canonical_name(name: str) -> str:
@@ -140,85 +134,6 @@ def canonical_name(name: str) -> str:
     return "model." + bare
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-    elif (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors files in {path}")
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CheckpointError(f"shards listed in the index are missing: {missing}")
-    return files
-
-
-class _Source:
-    """Lazy access to every tensor of a checkpoint by name."""
-
-    def __init__(self, files: list[Path]):
-        self.fp8_block = (128, 128)
-        self.files = files
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-        self.where: dict[str, int] = {}
-        for i, h in enumerate(self._handles):
-            for k in h.keys():
-                self.where[k] = i
-
-    def _handle(self, name: str):
-        i = self.where[name]
-        if self._handles[i] is None:  # released, and asked again (a scale kept in another shard)
-            self._handles[i] = safe_open(str(self.files[i]), framework="pt", device="cpu")
-        return self._handles[i]
-
-    def release(self, file_index: int) -> None:
-        """Unmap one shard. Its pages count in the process's resident set while it is mapped, so a
-        reader that kept every shard open until the end peaked at twice the model (7.8 GB for a 3.7 GB
-        checkpoint: the copies plus the mapped files)."""
-        self._handles[file_index] = None
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> str:
-        """The safetensors dtype string (``F32``, ``F8_E4M3``, ``F4``, ``I8``...)."""
-        return self._handle(name).get_slice(name).get_dtype()
-
-    def logical_shape(self, name: str) -> tuple[int, ...]:
-        """The unpacked shape: FP4 codes in int8/uint8 bytes with a block scale hold two inputs per
-        byte (safetensors' own ``F4`` already counts 4-bit values)."""
-        shape = self.shape(name)
-        if shape and self.dtype(name) in ("I8", "U8") and _scale_name(self, name) is not None:
-            return shape[:-1] + (2 * shape[-1],)
-        return shape
-
-
-def _scaled_weight(src: _Source, name: str) -> str | None:
-    """The weight that ``name`` is the block scale of, if it is one (``attn_hc.scale`` is not)."""
-    for suffix in _SCALE_SUFFIXES:
-        if name.endswith(suffix):
-            base = name[: -len(suffix)]
-            for weight in (base + ".weight", base):
-                if weight != name and weight in src.where:
-                    return weight
-    return None
-
-
-def _scale_name(src: _Source, weight_name: str) -> str | None:
-    base = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-    for suffix in _SCALE_SUFFIXES:
-        if base + suffix in src.where:
-            return base + suffix
-    return None
-
-
 def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                     dtype: torch.dtype, device: torch.device | str, progress: bool = True,
                     fp8_block: tuple[int, int] = (128, 128), packed_experts: bool = False,
@@ -233,7 +148,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     ``explain(missing, unexpected, misshaped)``: lines that say what in the config those names point at.
     ``stored``: names that may stay at the checkpoint's width (``stored_kind``): FP8 projections become
     ``StoredWeight`` values, a bf16 LM head too, and a bf16 embedding table stays bf16."""
-    src = _Source(checkpoint_files(Path(path)))
+    src = Source(checkpoint_files(Path(path)))
     src.fp8_block = fp8_block
     plan, experts, scales, ignored, unknown = _plan(src)
     if ignored:
@@ -256,7 +171,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     for hf in stored if shard is None or shard.world == 1 else ():
         kind = stored_kind(src, plan[hf], hf, dtype) if hf in plan else None
         if kind is not None:
-            loaders[hf] = _stored_loader(src, plan[hf], kind, device)
+            loaders[hf] = stored_loader(src, plan[hf], kind, device)
             final.add(hf)
     t0 = time.perf_counter()
     out = _materialise(loaders, final, expected, targets, device, progress, _file_order(src, plan, experts, loaders),
@@ -268,7 +183,7 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     return out
 
 
-def _file_order(src: _Source, plan: dict[str, str], experts: dict, loaders: dict) -> list[tuple[int, list[str]]]:
+def _file_order(src: Source, plan: dict[str, str], experts: dict, loaders: dict) -> list[tuple[int, list[str]]]:
     """The loaders grouped by the shard they read (expert stacks: their first expert's), in file order."""
     groups: dict[int, list[str]] = defaultdict(list)
     for hf in sorted(loaders):
@@ -284,7 +199,7 @@ def _file_order(src: _Source, plan: dict[str, str], experts: dict, loaders: dict
 def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked, expected: dict,
                  targets: dict[str, torch.dtype], device: torch.device | str,
                  progress: bool, order: list[tuple[int, list[str]]] | None = None,
-                 src: _Source | None = None) -> dict[str, torch.Tensor]:
+                 src: Source | None = None) -> dict[str, torch.Tensor]:
     """Run every loader, converting to its target dtype on the device. The bar counts bytes (a
     tensor count hides that one expert stack outweighs hundreds of norms) and shows only on a
     terminal (``disable=None``): in a log file the caller's summary line is what remains. ``order``:
@@ -306,50 +221,6 @@ def _materialise(loaders: dict[str, Callable[[], torch.Tensor]], stacked, expect
     return out
 
 
-def stored_kind(src: "_Source", name: str, hf: str, dtype: torch.dtype) -> str | None:
-    """How tensor ``name`` stays at its stored width under model dtype ``dtype`` (None: it does not):
-    "fp8" (codes and block scales), "bf16" (the LM head) or "bf16 table" (the embedding). Only where the
-    model computes in fp32 on the host: there the native forward reads these formats directly."""
-    if dtype != torch.float32:
-        return None
-    kind = src.dtype(name)
-    if kind == "F8_E4M3" and _scale_name(src, name) is not None and len(src.shape(name)) == 2:
-        return "fp8"
-    if kind == "BF16" and hf == "lm_head.weight":
-        return "bf16"
-    if kind == "BF16" and hf == "model.embed_tokens.weight":
-        return "bf16 table"
-    return None
-
-
-def _stored_loader(src: "_Source", name: str, kind: str, device) -> Callable[[], StoredWeight | torch.Tensor]:
-    """Tensors kept at their stored width are not copied on the host: they stay views of the mapped
-    checkpoint (read-only pages the kernel shares with the page cache, as llama.cpp maps its GGUF), so
-    loading them costs nothing and they are resident once, not once mapped and once copied. Nothing
-    writes to them; only the native forward and the torch path's dequantisers read them."""
-    def load() -> StoredWeight | torch.Tensor:
-        t = src.get(name)
-        if torch.device(device).type != "cpu":
-            t = t.to(device=device, copy=True)
-        if kind == "bf16 table":
-            return t
-        if kind == "bf16":
-            return StoredWeight("bf16", t, name=name)
-        codes = t.view(torch.uint8)
-        scales = src.get(_scale_name(src, name)).float().to(device)
-        if not bool(torch.isfinite(scales).all()) or bool((scales <= 0).any()):
-            raise CheckpointError(f"FP8 tensor {name} has block scales that are not positive finite numbers")
-        if bool(((codes & 0x7F) == 0x7F).any()):
-            raise CheckpointError(f"FP8 tensor {name} holds NaN codes (0x7f / 0xff): the weights are corrupt")
-        (b0, b1), (rows, cols) = src.fp8_block, codes.shape
-        if tuple(scales.shape) != (-(-rows // b0), -(-cols // b1)):
-            raise CheckpointError(f"{name}: scale shape {list(scales.shape)} does not fit weight {[rows, cols]} with "
-                                  f"block {[b0, b1]} (set quantization_config.weight_block_size)")
-        return StoredWeight("fp8", codes, scales.contiguous(), src.fp8_block, name)
-
-    return load
-
-
 def _nbytes(t) -> int:
     return t.nbytes if not isinstance(t, torch.Tensor) else t.numel() * t.element_size()
 
@@ -367,7 +238,7 @@ def _keeps_fp32(name: str) -> bool:
     return any(marker in name for marker in _FP32_MARKERS)
 
 
-def _plan(src: _Source):
+def _plan(src: Source):
     """Sort checkpoint names into direct tensors, official per-expert pieces, scales, ignored and unknown."""
     plan: dict[str, str] = {}
     experts: dict[int, dict[tuple[int, str], str]] = defaultdict(dict)
@@ -376,7 +247,7 @@ def _plan(src: _Source):
         if any(p.search(name) for p in _IGNORED):
             ignored.append(name)
             continue
-        if _scaled_weight(src, name) is not None:
+        if scaled_weight(src, name) is not None:
             scales.append(name)
             continue
         m = _EXPERT_RE.match(name)
@@ -391,19 +262,19 @@ def _plan(src: _Source):
     return plan, experts, scales, ignored, unknown
 
 
-def _single_loader(src: _Source, name: str, hf: str, shard) -> Callable[[], torch.Tensor]:
+def _single_loader(src: Source, name: str, hf: str, shard) -> Callable[[], torch.Tensor]:
     if shard is None or shard.rule(hf) is None:
         return lambda: _read(src, name, fp4_needs_scale=False)
     # dequantised whole (FP8 blocks straddle slice edges), then sliced: one tensor at a time
     return lambda: shard.take(hf, _read(src, name, fp4_needs_scale=False).reshape(src.logical_shape(name)))
 
 
-def _read(src: _Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
+def _read(src: Source, name: str, fp4_needs_scale: bool) -> torch.Tensor:
     """A checkpoint tensor, dequantised when it is FP8 (which always has a block scale) or packed
     MXFP4 with one. Int8/uint8 bytes without a scale pass through unless they must be FP4 experts."""
     t = src.get(name)
     fp8, fp4 = is_fp8(t), is_packed_fp4(t)
-    scale = _scale_name(src, name) if fp8 or fp4 else None
+    scale = scale_name(src, name) if fp8 or fp4 else None
     if fp8:
         if scale is None:
             raise CheckpointError(f"FP8 tensor {name} has no block scale (.scale / .weight_scale_inv)")
@@ -423,7 +294,7 @@ def _dequant(fn, *args) -> torch.Tensor:
         raise CheckpointError(str(exc)) from exc
 
 
-def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]],
+def _expert_loaders(src: Source, experts: dict[int, dict[tuple[int, str], str]],
                     expected: dict[str, tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype,
                     device: torch.device, packed: bool = False, shard=None) -> dict[str, Callable]:
     """Stack official per-expert tensors into HF's ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``,
@@ -470,10 +341,10 @@ def _expert_loaders(src: _Source, experts: dict[int, dict[tuple[int, str], str]]
     return loaders
 
 
-def _packed_format(src: _Source, name: str) -> str | None:
+def _packed_format(src: Source, name: str) -> str | None:
     """"mxfp4" / "fp8" when ``name`` is a quantised tensor with its scale, else None (kept as today)."""
     kind = src.dtype(name)
-    if _scale_name(src, name) is None:
+    if scale_name(src, name) is None:
         return None
     if kind in _FP4_STORAGE:
         return "mxfp4"
@@ -487,17 +358,17 @@ def _first_expert(shard, n_local: int) -> int:
     return shard.rank * n_local if shard is not None and shard.expert_parallel else 0
 
 
-def _packed_loader(src: _Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str,
+def _packed_loader(src: Source, pieces: dict, kinds: tuple[str, ...], fmt: str, shape, dtype, device, hf: str,
                    lo: int = 0):
     def load():
-        per_expert = [[(src.get(pieces[(j, k)]), src.get(_scale_name(src, pieces[(j, k)]))) for k in kinds]
+        per_expert = [[(src.get(pieces[(j, k)]), src.get(scale_name(src, pieces[(j, k)]))) for k in kinds]
                       for j in range(lo, lo + shape[0])]
         return PackedExperts(fmt, stack_parts(per_expert, device), shape, dtype, src.fp8_block, hf)
 
     return load
 
 
-def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str],
+def _compare(src: Source, plan: dict[str, str], experts: dict, expected: dict, unknown: list[str],
              indices: Mapping[str, IndexTable] | None = None,
              explain: Explain | None = None) -> list[str]:
     """Missing, unexpected and mis-shaped tensors (index tables' shapes: ``_index_problems``), each a line."""
@@ -527,7 +398,7 @@ def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, 
         problems += explain(missing, unexpected, misshaped)
     for layer, pieces in experts.items():
         for (j, w), name in pieces.items():
-            if src.dtype(name) in _FP4_STORAGE and _scale_name(src, name) is None:
+            if src.dtype(name) in _FP4_STORAGE and scale_name(src, name) is None:
                 problems.append(f"tensor {name} is packed FP4 (MXFP4) but has no block scale (.scale)")
                 continue
             want = expected.get(f"model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}")
@@ -540,7 +411,7 @@ def _compare(src: _Source, plan: dict[str, str], experts: dict, expected: dict, 
     return problems
 
 
-def _index_problems(src: _Source, plan: dict[str, str], expected: dict,
+def _index_problems(src: Source, plan: dict[str, str], expected: dict,
                     indices: Mapping[str, IndexTable]) -> list[str]:
     """One line per index table that is not integer, not exactly its expected shape, or holds a value
     outside ``[0, bound)`` (the first such value and where, and how many); missing ones are ``_compare``'s."""
