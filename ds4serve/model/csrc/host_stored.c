@@ -241,8 +241,8 @@ static void f8_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
     if (!f8_panel) f8_panel = aligned_alloc(64, (size_t)KN_KBLOCK * 4 * VW * 4);
     for (int64_t b = lo; b < hi; b++) {
-        int64_t n0 = b * 4 * VW;
-        int nv = (int)((j->N - n0 + VW - 1) / VW < 4 ? (j->N - n0 + VW - 1) / VW : 4);
+        int64_t n0 = b * KN_NV * VW;
+        int nv = (int)((j->N - n0 + VW - 1) / VW < KN_NV ? (j->N - n0 + VW - 1) / VW : KN_NV);
         for (int64_t k0 = 0; k0 < j->K; k0 += KN_KBLOCK) {
             int64_t kk = j->K - k0 < KN_KBLOCK ? j->K - k0 : KN_KBLOCK;
             if (!f8_panel) {  /* out of memory: the block rows one at a time, the same sums */
@@ -317,7 +317,7 @@ static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Wei
     cap = cap < 4 * VW ? 4 * VW : cap;
     int64_t panel = per_thread < cap ? per_thread : cap;
     LinearJob job = {x, ldx, M, K, w, padded(N), y, ldy, panel};
-    int64_t width = row ? panel : 4 * VW;
+    int64_t width = row ? panel : KN_NV * VW;
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
     parallel(blocks, grain, row ? f8_row_blocks : f8_blocks, &job);
