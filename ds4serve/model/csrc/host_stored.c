@@ -120,6 +120,9 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
 #ifndef F8_EIGHT
 #define F8_EIGHT 1  /* one or two rows take eight weight rows per pass over the outputs (half the output traffic) */
 #endif
+#ifndef F8_EIGHT_ROWS
+#define F8_EIGHT_ROWS 2  /* up to this many rows take eight weight rows a pass */
+#endif
 #define F8_ROWS_MAX 8  /* rows per pass of the streamed kernel: decoding, not the FMAs, bounds it */
 /* outputs per panel of the streamed kernel at one row (half at two, a quarter beyond): each weight row is
    read in runs of `panel` bytes and the panel's outputs stay in L1/L2. FP8 codes in 1 KB runs (fp32's
@@ -136,22 +139,19 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
         for (int i = 0; i < MR; i++)                                                                     \
             for (int64_t j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, (vf){});                      \
         int64_t k = 0;                                                                                   \
-        if (F8_EIGHT && MR <= 2 && w->bk % 8 == 0) /* few rows: eight weight rows a pass */             \
+        if (F8_EIGHT && MR <= F8_EIGHT_ROWS && w->bk % 8 == 0) /* eight weight rows a pass */          \
             for (; k + 8 <= K; k += 8) {                                                                 \
                 if (k >= kb_end) {                                                                       \
                     fp8_row_muls(w, k, n0, nv, muls);                                                    \
                     kb_end = (k / w->bk + 1) * w->bk;                                                    \
                 }                                                                                        \
                 const uint8_t *wk = w->q + k * w->ld + n0;                                               \
-                vf a[MR][8];                                                                             \
-                for (int i = 0; i < MR; i++)                                                             \
-                    for (int q = 0; q < 8; q++) a[i][q] = vsplat(x[i * ldx + k + q]);                   \
                 for (int64_t j = 0; j < nv; j++) {                                                       \
                     vf m = vsplat(muls[j]), b[8];                                                        \
                     for (int q = 0; q < 8; q++) b[q] = fp8_vec(wk + q * w->ld + j * VW, m);              \
                     for (int i = 0; i < MR; i++) {                                                       \
                         vf acc = vload(y + i * ldy + j * VW);                                            \
-                        for (int q = 0; q < 8; q++) acc = vfma(a[i][q], b[q], acc);                      \
+                        for (int q = 0; q < 8; q++) acc = vfma(vsplat(x[i * ldx + k + q]), b[q], acc);   \
                         vstore(y + i * ldy + j * VW, acc);                                               \
                     }                                                                                    \
                 }                                                                                        \
