@@ -252,16 +252,22 @@ def device_memory(device: torch.device) -> int:
         return 1 << 62  # cannot tell: do not refuse
 
 
+def _packed_mode(mode: str | bool, what: str) -> str:
+    """``--packed-weights``' value as "auto" / "on" / "off" (a bool means on or off)."""
+    if isinstance(mode, bool):
+        return "on" if mode else "off"
+    if mode not in PACKED_MODES:
+        raise ConfigError(f"{what} must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
+    return mode
+
+
 def choose_stored_weights(mode: str | bool, dtype: torch.dtype, device: torch.device, host_kernels: str = "auto",
                           tensor_parallel: int = 1) -> tuple[bool, str]:
     """Whether projections, embedding and LM head stay at the checkpoint's width (FP8 / bf16;
     ``model/stored.py``), and why. ``auto`` keeps them where the native host forward reads them as they
     are (a CPU, fp32 compute, one process, the kernels built): it decodes them in registers as fast as it
     reads fp32, and a step then reads 2-4x fewer bytes. Elsewhere they are dequantised at load."""
-    if isinstance(mode, bool):
-        mode = "on" if mode else "off"
-    if mode not in PACKED_MODES:
-        raise ConfigError(f"packed weights must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
+    mode = _packed_mode(mode, "packed weights")
     if mode != "auto":
         return mode == "on", f"--packed-weights {mode}"
     if device.type != "cpu" or dtype != torch.float32 or tensor_parallel > 1 or host_kernels == "off":
@@ -280,13 +286,10 @@ def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype
     """Whether to keep the routed experts packed, and why. ``on`` / ``off`` (or a bool) decide alone.
     ``auto`` packs only where that turns a refusal into a server: the checkpoint stores its experts in a
     packed format this device can run packed, the dequantised weights leave no room for one sequence and
-    the packed ones do. Where both fit, dequantised experts stay the default: on a CPU they decode as
-    fast as packed ones and prefill ~1.13x faster (README, "Sizing a real checkpoint"). ``device`` None
-    (``plan``: the hardware is not here) decides on fit alone; ``memory`` is then required."""
-    if isinstance(mode, bool):
-        mode = "on" if mode else "off"
-    if mode not in PACKED_MODES:
-        raise ConfigError(f"packed experts must be one of {', '.join(PACKED_MODES)}, got {mode!r}")
+    the packed ones do; with ``stored`` (``choose_stored_weights`` keeps the other weights as the
+    checkpoint stores them: the native host forward reads them so) the experts are kept packed too.
+    ``device`` None (``plan``: the hardware is not here) decides on fit alone; ``memory`` is then required."""
+    mode = _packed_mode(mode, "packed experts")
     if mode != "auto":
         return mode == "on", f"--packed-experts {mode}"
     if memory is None:
