@@ -197,3 +197,30 @@ def test_native_fp8_dequantisation_equals_the_torch_form(n, k, block, monkeypatc
             pytest.skip("native kernels unavailable")
         assert got.shape == ref.shape and torch.equal(got, ref)
         assert torch.equal(StoredWeight("fp8", layout, s, (block, block)).dense(), ref)
+
+
+def test_the_capacity_plan_counts_stored_weights_at_their_width(flash_dir, caplog):
+    """``serve``'s fit check counts what it will hold: FP8 codes (and their fp32 block scales) and bf16
+    tables at their stored bytes, read from the headers before any weight is loaded."""
+    from ds4serve.config import EngineSettings, ModelConfig
+    from ds4serve.model.weights import stored_bytes
+    from ds4serve.runtime import capacity
+    from ds4serve.runtime.capacity import plan_weights
+    from ds4serve.runtime.core import load_core
+
+    cfg = ModelConfig.from_file(flash_dir)
+    sizes = stored_bytes(flash_dir, (BLOCK, BLOCK))
+    q_b = "model.layers.0.self_attn.q_b_proj.weight"
+    assert sizes[q_b] == 256 * 128 + 4 * (256 // BLOCK) * (128 // BLOCK)
+    assert sizes["lm_head.weight"] == 2 * 1000 * 256 and sizes["model.embed_tokens.weight"] == 2 * 1000 * 256
+    dense, held = plan_weights(cfg, torch.float32), plan_weights(cfg, torch.float32, stored=sizes)
+    assert held.by_kind["embeddings + LM head"] * 2 == dense.by_kind["embeddings + LM head"]
+    assert held.total < dense.total
+    with caplog.at_level("INFO", logger="ds4serve.runtime.capacity"):
+        core = load_core(flash_dir, settings=EngineSettings(max_seqs=1, max_model_len=256), packed_experts="auto")
+    try:
+        planned = held.total - held.by_kind["routed experts"] + plan_weights(
+            cfg, torch.float32, packed_experts=True).by_kind["routed experts"]
+        assert f"capacity: weights {capacity._gib(planned)}," in caplog.text
+    finally:
+        core.close()

@@ -183,6 +183,26 @@ def load_state_dict(path: str | Path, expected: dict[str, tuple[tuple[int, ...],
     return out
 
 
+def stored_bytes(path: str | Path, fp8_block: tuple[int, int] = (128, 128)) -> dict[str, int]:
+    """{module name: bytes held} of the tensors ``load_state_dict(stored=...)`` would keep at their stored
+    width under an fp32 model (FP8 codes and their fp32 block scales, bf16 head and embedding), read from
+    the safetensors headers alone: the capacity plan counts these instead of their fp32 size."""
+    src = Source(checkpoint_files(Path(path)))
+    plan = _plan(src)[0]
+    out: dict[str, int] = {}
+    for hf, name in plan.items():
+        kind = stored_kind(src, name, hf, torch.float32)
+        if kind is None:
+            continue
+        n = _numel(src.shape(name))
+        if kind == "fp8":
+            rows, cols = src.shape(name)
+            out[hf] = n + 4 * -(-rows // fp8_block[0]) * -(-cols // fp8_block[1])
+        else:
+            out[hf] = 2 * n
+    return out
+
+
 def _file_order(src: Source, plan: dict[str, str], experts: dict, loaders: dict) -> list[tuple[int, list[str]]]:
     """The loaders grouped by the shard they read (expert stacks: their first expert's), in file order."""
     groups: dict[int, list[str]] = defaultdict(list)

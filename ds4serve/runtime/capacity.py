@@ -23,6 +23,7 @@ not fit the device.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -78,10 +79,11 @@ class WeightPlan:
 
 
 def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = False,
-                 shard: ShardPlan | None = None) -> WeightPlan:
+                 shard: ShardPlan | None = None, stored: Mapping[str, int] | None = None) -> WeightPlan:
     """Bytes of every tensor ds4serve instantiates, by kind, without allocating (meta tensors); with
     ``packed_experts`` and a known expert format, routed experts at their packed size. ``shard``: what
-    that tensor-parallel rank holds (rank 0 also holds the vision tower; the others do not)."""
+    that tensor-parallel rank holds (rank 0 also holds the vision tower; the others do not). ``stored``:
+    {name: bytes} of the tensors kept at the checkpoint's width (``weights.stored_bytes``)."""
     tensors = dict(expected_tensors(cfg))
     if cfg.vision.enabled and (shard is None or shard.rank == 0):
         tensors.update(expected_vision_tensors(cfg))
@@ -90,7 +92,8 @@ def plan_weights(cfg: ModelConfig, dtype: torch.dtype, packed_experts: bool = Fa
     for name, (shape, meta_dtype) in tensors.items():
         shape = shard.local_shape(name, shape) if shard is not None else shape
         kind = weight_kind(name)
-        by_kind[kind] = by_kind.get(kind, 0) + _loaded_bytes(name, shape, meta_dtype, dtype)
+        held = stored[name] if stored and name in stored else _loaded_bytes(name, shape, meta_dtype, dtype)
+        by_kind[kind] = by_kind.get(kind, 0) + held
         if kind == "routed experts":
             routed += math.prod(shape)
     raw = cfg.raw
@@ -147,7 +150,8 @@ class CapacityPlan:
 def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_len: int | None = None,
                   max_prefill_tokens: int = 1024, min_prefill_tokens: int = 16,
                   packed_experts: bool = False, tensor_parallel: int = 1,
-                  expert_parallel: bool = False, advise: bool = True) -> CapacityPlan:
+                  expert_parallel: bool = False, advise: bool = True,
+                  stored: Mapping[str, int] | None = None) -> CapacityPlan:
     """The plan for one device with ``memory`` bytes, or for each of ``tensor_parallel`` such devices
     (rank 0's share; sequence state is replicated on every rank, see ``model.sharding``)."""
     if memory <= 0:
@@ -158,7 +162,7 @@ def plan_capacity(cfg: ModelConfig, dtype: torch.dtype, memory: int, max_model_l
     problems = shard.problems(cfg) if shard is not None else []
     if problems:
         raise ConfigError("cannot split this model: " + "; ".join(problems))
-    weights = plan_weights(cfg, dtype, packed_experts, shard)
+    weights = plan_weights(cfg, dtype, packed_experts, shard, stored)
     elem = dtype.itemsize
     rows = max_chunk_len(max_prefill_tokens, min_prefill_tokens, cfg.vision.max_n_token if cfg.vision.enabled else 0)
     stream = cfg.hc_mult * cfg.hidden_size * elem
@@ -323,14 +327,15 @@ def choose_packed_experts(mode: str | bool, cfg: ModelConfig, dtype: torch.dtype
 
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                max_prefill_tokens: int = 1024, packed_experts: bool = False, tensor_parallel: int = 1,
-               expert_parallel: bool = False) -> CapacityPlan:
+               expert_parallel: bool = False, stored: Mapping[str, int] | None = None) -> CapacityPlan:
     """The start-up check: log the plan, refuse (``ConfigError`` with the plan) before loading anything
-    when the weights and one sequence cannot fit on ``device`` (on each rank's device under TP)."""
+    when the weights and one sequence cannot fit on ``device`` (on each rank's device under TP).
+    ``stored``: the bytes of the tensors kept at their stored width (``weights.stored_bytes``)."""
     import logging
 
     plan = plan_capacity(cfg, dtype, device_memory(device), max_model_len, max_prefill_tokens,
                          packed_experts=packed_experts, tensor_parallel=tensor_parallel,
-                         expert_parallel=expert_parallel)
+                         expert_parallel=expert_parallel, stored=stored)
     log = logging.getLogger(__name__)
     if not plan.fits:
         raise ConfigError(f"the model does not fit on {device}:\n{render_plan(plan)}")

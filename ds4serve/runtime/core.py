@@ -34,6 +34,8 @@ from ..engine.parallel import RankFailure
 from ..engine.plan import member_problems, validate_plan, validate_step_result
 from ..engine.sampling import SamplingParams
 from ..model import DS4ForCausalLM, load_model, parse_dtype
+from ..model.loader import fp8_block_size
+from ..model.weights import stored_bytes
 from ..multimodal.layout import TokenType
 from ..multimodal.records import ImageInput
 from ..scheduler.admission import fit_problem
@@ -279,7 +281,8 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
     packed_experts, why = choose_packed_experts(packed_experts if packed_weights is None else packed_weights, cfg0,
                                                 dt, dev, s.max_model_len, s.max_prefill_tokens, tp, ep, stored=stored)
     log.info("routed experts %s: %s", "kept packed" if packed_experts else "dequantised at load", why)
-    check_fits(cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens, packed_experts, tp, ep)
+    check_fits(cfg0, dt, dev, s.max_model_len, s.max_prefill_tokens, packed_experts, tp, ep,
+               stored=stored_bytes(model_dir, fp8_block_size(cfg0)) if stored else None)
     group = None
     if tp > 1:
         group, cfg, model = start_group(model_dir, parallel, device, dtype, packed_experts)
