@@ -9,9 +9,10 @@
    a stored weight has the same bits as the same kernel over the dequantised one (tests pin this).
 
    FP8 projections are stored [K, N] (transposed once at load, host_decode.py), like the fp32 [K, N]
-   weights, and run the same kernels' orders: one to three rows stream the weight rows (kn_rows), more
-   rows decode a [KN_KBLOCK, 4 VW] block into a thread's panel and run the fp32 register tiles over it
-   (kn_tile), which continue one fused multiply-add chain per output in k order from zero. The bf16 LM
+   weights, and add in the same order: up to 16 rows stream the weight rows (as kn_rows does, in passes
+   of up to 8 rows, each weight decoded once a pass), more rows decode a [KN_KBLOCK, KN_NV VW] block into a
+   thread's panel and run the fp32 register tiles over it (kn_tile); every path continues one fused
+   multiply-add chain per output in k order from zero, so the path taken never changes a bit. The bf16 LM
    head stays [N, K] as loaded (1 GB at DS4's 129,280 x 4096; only the rows that need logits run it) and
    adds like nk_tile: lanes along k, then the lane sum, then the scalar tail.
 
@@ -127,7 +128,7 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
 /* outputs per panel of the streamed kernel at one row (half at two, a quarter beyond): each weight row is
    read in runs of `panel` bytes and the panel's outputs stay in L1/L2. FP8 codes in 1 KB runs (fp32's
    1024-output panel) streamed at ~20 G weights/s, 8 KB runs at ~25 (one row of 4096 x 8192 on 2 threads;
-   8 rows 6 -> 13-15) */
+   8 rows ~13 either way) */
 #ifndef F8_PANEL_MAX
 #define F8_PANEL_MAX 8192
 #endif
