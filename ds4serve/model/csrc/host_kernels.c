@@ -225,38 +225,54 @@ static void kn_blocks(void *c, int64_t lo, int64_t hi) {
     }
 }
 
+/* host_stored.c: the kernels over weights kept at the checkpoint's width, which linear() picks by fmt */
+static void b16_tile(const float *x, int64_t ldx, int mr, int64_t K, const uint8_t *w, int64_t ld, int nr, float *y,
+                     int64_t ldy);
+static void f8_row_blocks(void *c, int64_t lo, int64_t hi);
+static void f8_blocks(void *c, int64_t lo, int64_t hi);
+static int64_t f8_panel_cap(int64_t M);
+/* up to this many rows stream the rows of an FP8 weight (each weight decoded once per 8 rows); more decode
+   blocks under the register tiles, which reuse each decoded weight for every row */
+#ifndef F8_ROWS_THRESHOLD
+#define F8_ROWS_THRESHOLD 16
+#endif
+
+/* [N, K] weights: fp32 (nk_tile) or bf16 (b16_tile, the same order) */
 static void nk_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
     for (int64_t b = lo; b < hi; b++) {
         int64_t n0 = b * 4;
         int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
-            nk_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->K, j->w.p + n0 * j->w.ld,
-                    j->w.ld, nr, j->y + m0 * j->ldy + n0, j->ldy);
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            const float *x = j->x + m0 * j->ldx;
+            float *y = j->y + m0 * j->ldy + n0;
+            int mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
+            if (j->w.fmt == 2)
+                b16_tile(x, j->ldx, mr, j->K, j->w.q + n0 * j->w.ld * 2, j->w.ld, nr, y, j->ldy);
+            else
+                nk_tile(x, j->ldx, mr, j->K, j->w.p + n0 * j->w.ld, j->w.ld, nr, y, j->ldy);
+        }
     }
 }
 
 static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight); column blocks
-   on the pool once there are ~32k multiply-adds per chunk. A [K, N] weight is stored padded to whole
-   vectors (host_decode.py), and writes padded(N) columns: the caller's ldy makes room for them. */
-static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y,
-                          int64_t ldy);  /* host_stored.c */
-
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight; FP8 is [K, N] and
+   bf16 [N, K], host_stored.c); column blocks on the pool once there are ~32k multiply-adds per chunk. A
+   [K, N] weight is stored padded to whole vectors (host_decode.py), and writes padded(N) columns: the
+   caller's ldy makes room for them. */
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
-    if (w.fmt) {
-        stored_linear(x, ldx, M, K, w, N, y, ldy);
-        return;
-    }
-    int row = w.kn && M <= ROWS_MAX;
+    int f8 = w.fmt == 1;
+    int row = w.kn && M <= (f8 ? F8_ROWS_THRESHOLD : ROWS_MAX);
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);  /* every thread gets a panel */
-    int64_t panel = per_thread < ROW_PANEL ? per_thread : ROW_PANEL;
+    int64_t cap = f8 ? f8_panel_cap(M) : ROW_PANEL;
+    int64_t panel = per_thread < cap ? per_thread : cap;
     LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy, panel};
     int64_t width = row ? panel : w.kn ? KN_NV * VW : 4;
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
-    parallel(blocks, grain, row ? kn_row_blocks : w.kn ? kn_blocks : nk_blocks, &job);
+    parallel(blocks, grain, row ? (f8 ? f8_row_blocks : kn_row_blocks) : w.kn ? (f8 ? f8_blocks : kn_blocks)
+                                                                               : nk_blocks, &job);
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {

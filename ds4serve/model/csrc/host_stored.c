@@ -286,42 +286,10 @@ static void b16_tile(const float *x, int64_t ldx, int mr, int64_t K, const uint8
         }
 }
 
-static void b16_blocks(void *c, int64_t lo, int64_t hi) {
-    const LinearJob *j = (const LinearJob *)c;
-    for (int64_t b = lo; b < hi; b++) {
-        int64_t n0 = b * 4;
-        int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4)
-            b16_tile(j->x + m0 * j->ldx, j->ldx, (int)(j->M - m0 < 4 ? j->M - m0 : 4), j->K,
-                     j->w.q + n0 * j->w.ld * 2, j->w.ld, nr, j->y + m0 * j->ldy + n0, j->ldy);
-    }
-}
-
-/* up to this many rows stream the weight rows (each FP8 weight decoded once per 8 rows); more decode
-   blocks under the register tiles, which reuse each decoded weight for every row */
-#ifndef F8_ROWS_THRESHOLD
-#define F8_ROWS_THRESHOLD 16
-#endif
-
-/* linear() over a stored weight (fmt 1: FP8 [K, N]; fmt 2: bf16 [N, K]); the same blocking as fp32 */
-static void stored_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y,
-                          int64_t ldy) {
-    if (w.fmt == 2) {
-        LinearJob job = {x, ldx, M, K, w, N, y, ldy, 0};
-        int64_t blocks = (N + 3) / 4, per_block = M * K * 4;
-        parallel(blocks, per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block, b16_blocks, &job);
-        return;
-    }
-    int row = M <= F8_ROWS_THRESHOLD;
-    int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);
+/* outputs per panel of the streamed FP8 kernel for M rows (at least one tile's width) */
+static int64_t f8_panel_cap(int64_t M) {
     int64_t cap = M <= 1 ? F8_PANEL_MAX : M <= 2 ? F8_PANEL_MAX / 2 : F8_PANEL_MAX / 4;
-    cap = cap < 4 * VW ? 4 * VW : cap;
-    int64_t panel = per_thread < cap ? per_thread : cap;
-    LinearJob job = {x, ldx, M, K, w, padded(N), y, ldy, panel};
-    int64_t width = row ? panel : KN_NV * VW;
-    int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
-    int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
-    parallel(blocks, grain, row ? f8_row_blocks : f8_blocks, &job);
+    return cap < 4 * VW ? 4 * VW : cap;
 }
 
 /* one stored embedding row (bf16) widened into out [D] */
