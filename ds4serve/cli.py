@@ -1,6 +1,6 @@
 """Command line: ``ds4serve {serve, generate, info}``.
 
-Environment variables are read here or in ``config.py`` only.
+Environment variables are read here or in ``environment.py`` only.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import HOST_KERNEL_MODES, PACKED_MODES, EngineSettings
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
+from .settings import HOST_KERNEL_MODES, PACKED_MODES, EngineSettings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
 

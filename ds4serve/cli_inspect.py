@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .config import PACKED_MODES
+from .settings import PACKED_MODES
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,9 +42,10 @@ def run_inspect(args) -> int:
 
 
 def _plan(args) -> int:
-    from .config import ConfigError, ModelConfig, parse_budget
+    from .config import ConfigError, ModelConfig
     from .model import parse_dtype
     from .runtime.capacity import choose_packed_experts, plan_capacity, render_plan
+    from .settings import parse_budget
 
     memory = parse_budget(args.memory)
     if memory is None or memory[0] != "bytes":

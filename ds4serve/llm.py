@@ -1,6 +1,6 @@
 """The Python API: ``LLM(path).generate(prompts, ...)`` and ``LLM(path).prompt_logits(ids)``.
 
-``generate`` submits every prompt to the same engine the server uses (``runtime.EngineCore``) and steps
+``generate`` submits every prompt to the same engine the server uses (a ``runtime.EngineCore``) and steps
 it in the calling thread: each step is one flattened forward holding the decode rows of all
 running sequences (at different lengths) plus prompt chunks within the step budget. Nothing is
 padded, so each prompt gets exactly the tokens it would get alone.
@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from .cache import SeqChunk
-from .config import EngineSettings
 from .engine import ModelRunner
 from .engine.sampling import SamplingParams
 from .model import load_model, parse_dtype
-from .runtime import EngineCore
+from .runtime import assemble_core
 from .scheduler.scheduler import QueueFull
+from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class LLM:
 
     Engine settings (``max_seqs``, ``kv_budget``, ``host_budget``, ``step_tokens``,
     ``max_prefill_tokens``, ``prefill_mode``, ``max_model_len``, ...) are keyword arguments; see
-    ``ds4serve.config.EngineSettings``. Tiny budgets are allowed, e.g. to force preemption in tests.
+    ``ds4serve.settings.EngineSettings``. Tiny budgets are allowed, e.g. to force preemption in tests.
     Offline generation plans by the token budget (``max_stall=0``) unless told otherwise: a batch job
     has no streams to keep smooth, and its chunk boundaries then never depend on the machine's speed.
     """
@@ -43,8 +43,8 @@ class LLM:
                                           packed_experts=packed_experts, stored_weights=stored_weights)
         self.device = torch.device(device)
         settings.setdefault("max_stall", 0.0)
-        self.core = EngineCore(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),
-                               eos_ids=eos_ids)
+        self.core = assemble_core(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),
+                                  eos_ids=eos_ids)
         self.runner = ModelRunner(self.cfg, self.model, self.core.cache.state)
 
     @property

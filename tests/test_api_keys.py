@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ds4serve.cli import _ENGINE_FLAGS, _settings, build_parser, main
-from ds4serve.config import EngineSettings
 from ds4serve.server.app import create_app
 from ds4serve.server.keys import ApiKeys, KeyConfigError, load_keys, parse_key_args, parse_key_file, tenant_salt
 from ds4serve.server.state import ServerState
 from ds4serve.server.webui import ASSETS
+from ds4serve.settings import EngineSettings
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

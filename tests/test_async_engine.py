@@ -8,7 +8,7 @@ import pytest
 
 from ds4serve.engine.sampling import SamplingParams
 from ds4serve.runtime import EngineLoop
-from ds4serve.runtime import EngineCore
+from ds4serve.runtime import assemble_core
 from ds4serve.scheduler.scheduler import RequestTooLarge
 from model_helpers import random_ids
 
@@ -16,7 +16,7 @@ from model_helpers import random_ids
 @pytest.fixture()
 def async_engine(llm_factory):
     llm = llm_factory("A", max_seqs=6, max_model_len=512)
-    core = EngineCore(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
+    core = assemble_core(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
     eng = EngineLoop(core).start()
     yield eng, llm
     eng.shutdown()
@@ -67,7 +67,7 @@ def test_rejects_before_the_stream_opens(async_engine):
 
 def test_shutdown_answers_waiting_clients(llm_factory):
     llm = llm_factory("A", max_seqs=2)
-    core = EngineCore(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
+    core = assemble_core(llm.cfg, llm.model, llm.core.settings, llm.device, eos_ids=())
     eng = EngineLoop(core).start()
 
     async def main():

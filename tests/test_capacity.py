@@ -83,7 +83,7 @@ def test_load_core_refuses_a_model_that_cannot_fit_before_loading(monkeypatch):
 
     loaded = []
     monkeypatch.setattr(capacity, "device_memory", lambda device: 4 * 2**20)  # 4 MiB: less than the weights
-    monkeypatch.setattr("ds4serve.runtime.core.load_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr("ds4serve.runtime.assemble.load_model", lambda *a, **k: loaded.append(1))
     with pytest.raises(ConfigError, match="does not fit"):
         load_core(BUNDLED)
     assert not loaded

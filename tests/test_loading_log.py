@@ -62,11 +62,11 @@ def test_progress_counts_bytes_and_a_summary_line_is_logged(random_ckpt, monkeyp
 def test_start_up_is_logged_per_phase(caplog):
     """Time to healthy is the sum of phases a user can act on (load, engine, self-check, warm-up,
     calibration): the log names each with its seconds, and they add up to the total it gives."""
-    from ds4serve.config import EngineSettings
-    from ds4serve.runtime.core import load_core
+    from ds4serve.runtime.assemble import load_core
+    from ds4serve.settings import EngineSettings
     from ds4serve.tiny.random_model import BUNDLED
 
-    with caplog.at_level(logging.INFO, logger="ds4serve.runtime.core"):
+    with caplog.at_level(logging.INFO, logger="ds4serve.runtime.assemble"):
         core = load_core(BUNDLED, settings=EngineSettings(max_seqs=2, max_stall=2.0))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up took"))
     phases = dict(re.findall(r"([a-z-]+) ([0-9.]+) s", line.split(":", 1)[1]))

@@ -119,9 +119,10 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     """``load_core`` (the server's way in) with the default ``auto``: on a device whose memory holds the
     packed model and one sequence but not the dequantised experts, the experts stay packed and the
     log says why; with room for both they are dequantised (the faster prefill)."""
-    from ds4serve.config import EngineSettings, ModelConfig
+    from ds4serve.config import ModelConfig
     from ds4serve.runtime import capacity
-    from ds4serve.runtime.core import load_core
+    from ds4serve.runtime.assemble import load_core
+    from ds4serve.settings import EngineSettings
 
     d = _checkpoint(ckpt_factory, tmp_path, "mxfp4")
     # the fit rule is auto's where the native forward does not read the stored formats (host kernels off)
@@ -134,7 +135,7 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     need = plan(True).weights.total + plan(True).activations + plan(True).per_sequence
     assert not plan(False, need).fits and plan(True, need).fits  # the window this test stands in
     monkeypatch.setattr(capacity, "device_memory", lambda device: need)
-    with caplog.at_level("INFO", logger="ds4serve.runtime.core"):
+    with caplog.at_level("INFO", logger="ds4serve.runtime.assemble"):
         core = load_core(d, settings=settings, packed_experts="auto")
     try:
         stacks = [layer.mlp.experts.gate_up_proj for layer in core.engine.model.model.layers]
@@ -149,7 +150,7 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     finally:
         core.close()
     # where the native host forward runs, auto keeps every weight as stored, whatever fits
-    with caplog.at_level("INFO", logger="ds4serve.runtime.core"):
+    with caplog.at_level("INFO", logger="ds4serve.runtime.assemble"):
         core = load_core(d, settings=EngineSettings(max_seqs=1, max_model_len=256), packed_experts="auto")
     try:
         assert all(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)

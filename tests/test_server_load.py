@@ -36,7 +36,7 @@ async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int, leave_a
 
 
 def _running_and_steps(srv):
-    return srv.engine.call(lambda core: (len(core.scheduler.running), srv.state.metrics._steps))
+    return srv.engine.call(lambda core: (len(core.scheduler.running), core.stats.steps))
 
 
 async def _until(what: str, happened, within_s: float = 60.0) -> None:
@@ -62,7 +62,7 @@ def test_32_streams_with_8_disconnects(server, monkeypatch):
     so it gets only a generous wall-clock bound (an earlier version counted steps from the client's
     close and failed in CI when that detection took two 5 ms steps)."""
     cancelled_before = _cancellations(server)
-    engine, steps = server.engine, lambda: server.state.metrics._steps
+    engine, steps = server.engine, lambda: server.engine.stats.steps
     posted: dict[str, int] = {}
     applied: dict[str, int] = {}
     post, apply = engine.abort, engine.core.abort

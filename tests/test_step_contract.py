@@ -10,12 +10,13 @@ import dataclasses
 
 import pytest
 
-from ds4serve.config import EngineSettings, ModelConfig
+from ds4serve.config import ModelConfig
 from ds4serve.engine.plan import (PassProgress, RowStatus, SampledToken, StepPlan, StepResult, validate_plan,
                                   validate_step_result)
 from ds4serve.engine.sampling import SamplingParams
-from ds4serve.runtime import EngineCore, FatalStepError
+from ds4serve.runtime import EngineCore, FatalStepError, assemble_core
 from ds4serve.scheduler.request import RequestStatus
+from ds4serve.settings import EngineSettings
 
 TINY = {
     "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 4, "num_attention_heads": 2, "head_dim": 8,
@@ -107,7 +108,7 @@ class DropsPassProgress(FakeEngine):
 
 def make_core(engine=FakeEngine, **settings) -> EngineCore:
     s = EngineSettings(**{"max_seqs": 4, "warmup": False, "max_prefill_tokens": 32, "step_tokens": 24, **settings})
-    return EngineCore(ModelConfig.from_dict(TINY), None, s, engine_factory=engine)
+    return assemble_core(ModelConfig.from_dict(TINY), None, s, engine_factory=engine)
 
 
 def expected_tokens(rid: str, prompt_len: int, n: int) -> list[int]:

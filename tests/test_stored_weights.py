@@ -202,11 +202,12 @@ def test_native_fp8_dequantisation_equals_the_torch_form(n, k, block, monkeypatc
 def test_the_capacity_plan_counts_stored_weights_at_their_width(flash_dir, caplog):
     """``serve``'s fit check counts what it will hold: FP8 codes (and their fp32 block scales) and bf16
     tables at their stored bytes, read from the headers before any weight is loaded."""
-    from ds4serve.config import EngineSettings, ModelConfig
+    from ds4serve.config import ModelConfig
     from ds4serve.model.weights import stored_bytes
     from ds4serve.runtime import capacity
     from ds4serve.runtime.capacity import plan_weights
-    from ds4serve.runtime.core import load_core
+    from ds4serve.runtime.assemble import load_core
+    from ds4serve.settings import EngineSettings
 
     cfg = ModelConfig.from_file(flash_dir)
     sizes = stored_bytes(flash_dir, (BLOCK, BLOCK))

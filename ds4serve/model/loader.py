@@ -128,26 +128,62 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     cfg = ModelConfig.from_file(path)
     dt = parse_dtype(dtype)
     device = torch.device(device)
+    _check_packed_device(packed_experts, device)
+    model, expected = _meta_model(cfg, shard, reduce)
+    stored = _stored_names(model) if stored_weights and device.type == "cpu" and shard is None else frozenset()
+    sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
+                         packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."),
+                         indices=index_tables(cfg), explain=lambda *names: layout_notes(cfg, *names), stored=stored)
+    vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
+    packed = _assign_weights(model, sd)
+    if model.model.embed_tokens.weight.dtype != dt:
+        model.compute_dtype = dt  # the embedding table kept narrower: its rows widen to the model dtype
+    model.vision_encoder = None
+    if cfg.vision.enabled and vision:
+        vdev = torch.device(vision_device) if vision_device is not None else device
+        model.vision_encoder = _vision_encoder(cfg, vision_sd, vdev)
+    model.inv_freq_main = inverse_frequencies(cfg.rope_main, cfg.rope_dim).to(device)
+    model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
+    model.eval()
+    n_params = sum(t.numel() for t in sd.values()) + sum(math.prod(p.shape) for p in packed.values())
+    log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s, in %.2f s", path, n_params / 1e6,
+             cfg.num_layers, dt, device, time.perf_counter() - t0)
+    log.info("%s", footprint(cfg, model).describe())
+    return cfg, model
+
+
+def _check_packed_device(packed_experts: bool, device: torch.device) -> None:
+    """Packed experts off the host need Triton's kernels; on CUDA they run unverified on a GPU (a warning)."""
     if packed_experts and device.type != "cpu" and not triton_experts.available(device):
         raise ValueError(f"packed experts on {device} need Triton's kernels (triton comes with CUDA builds of "
                          "torch); load with packed_experts=False")
     if packed_experts and device.type == "cuda":
         log.warning("packed experts on CUDA run through the Triton kernels of model/triton_experts.py, checked "
                     "against the host path under Triton's interpreter, not yet on a GPU")
+
+
+def _meta_model(cfg: ModelConfig, shard: ShardPlan | None, reduce: Callable[[torch.Tensor], torch.Tensor] | None
+                ) -> tuple[DS4ForCausalLM, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+    """The model on the meta device (no memory) and the tensors the checkpoint must hold, by name: the
+    whole model's shapes (vision tower included), taken before ``shard`` cuts this rank's slices."""
     with torch.device("meta"):
         model = DS4ForCausalLM(cfg)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     expected.update(expected_vision_tensors(cfg))
     if shard is not None:
         shard_model(model, shard, reduce)  # on meta: the parameters take their local shapes
-    stored = frozenset()
-    if stored_weights and device.type == "cpu" and shard is None:
-        stored = frozenset([f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)]
-                           + ["model.embed_tokens.weight"])
-    sd = load_state_dict(path, expected, dtype=dt, device=device, progress=progress, fp8_block=fp8_block_size(cfg),
-                         packed_experts=packed_experts, shard=shard, skip=() if vision else ("vision.", "aligner."),
-                         indices=index_tables(cfg), explain=lambda *names: layout_notes(cfg, *names), stored=stored)
-    vision_sd = {k: sd.pop(k) for k in list(sd) if k.startswith(("vision.", "aligner."))}
+    return model, expected
+
+
+def _stored_names(model: DS4ForCausalLM) -> frozenset[str]:
+    """The weights that may stay at the checkpoint's width: every ``Linear`` and the embedding table."""
+    return frozenset([f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Linear)]
+                     + ["model.embed_tokens.weight"])
+
+
+def _assign_weights(model: DS4ForCausalLM, sd: dict) -> dict[str, PackedExperts | StoredWeight]:
+    """Put the loaded tensors in place of the meta parameters; packed expert stacks and weights kept
+    at the checkpoint's width become plain attributes (returned by name, and logged)."""
     packed = {k: sd.pop(k) for k in list(sd) if isinstance(sd[k], (PackedExperts, StoredWeight))}
     missing, unexpected = model.load_state_dict(sd, assign=True, strict=False)
     if set(missing) != set(packed) or unexpected:
@@ -165,20 +201,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     if kept:
         log.info("projections kept at the checkpoint's width: %d (%s), %.1f MiB resident", len(kept),
                  ", ".join(sorted({p.fmt for p in kept})), sum(p.nbytes for p in kept) / 2**20)
-    if model.model.embed_tokens.weight.dtype != dt:
-        model.compute_dtype = dt  # the embedding table kept narrower: its rows widen to the model dtype
-    model.vision_encoder = None
-    if cfg.vision.enabled and vision:
-        vdev = torch.device(vision_device) if vision_device is not None else device
-        with torch.device("meta"):
-            encoder = VisionEncoder(cfg)
-        encoder.load_state_dict({k: v.to(vdev) for k, v in vision_sd.items()}, assign=True, strict=True)
-        model.vision_encoder = encoder.eval()
-    model.inv_freq_main = inverse_frequencies(cfg.rope_main, cfg.rope_dim).to(device)
-    model.inv_freq_compress = inverse_frequencies(cfg.rope_compress, cfg.rope_dim).to(device)
-    model.eval()
-    n_params = sum(t.numel() for t in sd.values()) + sum(math.prod(p.shape) for p in packed.values())
-    log.info("loaded %s: %.2fM parameters, %d layers, dtype %s, device %s, in %.2f s", path, n_params / 1e6,
-             cfg.num_layers, dt, device, time.perf_counter() - t0)
-    log.info("%s", footprint(cfg, model).describe())
-    return cfg, model
+    return packed
+
+
+def _vision_encoder(cfg: ModelConfig, vision_sd: dict[str, torch.Tensor], device: torch.device) -> VisionEncoder:
+    """The DS4V vision encoder with its loaded weights, on ``device`` (it may differ from the model's)."""
+    with torch.device("meta"):
+        encoder = VisionEncoder(cfg)
+    encoder.load_state_dict({k: v.to(device) for k, v in vision_sd.items()}, assign=True, strict=True)
+    return encoder.eval()

@@ -152,10 +152,16 @@ class ImagePipeline:
         """Build from a running engine core and its tokenizer (the ids ``render_chat`` emits);
         ``fetch`` is the operator's remote-image policy (default: ``data:`` URLs only), ``limits`` the
         per-request image limits (default: ``ImageLimits()``)."""
-        cfg = core.cfg
+        return cls.for_model(core.cfg, tokenizer, core.settings.max_prefill_tokens, fetch, limits)
+
+    @classmethod
+    def for_model(cls, cfg: Any, tokenizer: Any, max_block_tokens: int | None, fetch: FetchPolicy | None = None,
+                  limits: ImageLimits | None = None) -> ImagePipeline:
+        """Build from the served model's config (``ModelConfig``), its tokenizer and the engine's largest
+        prefill pass (``max_block_tokens``): what the server knows without a core."""
         image_id = tokenizer.image_id if tokenizer.image_id is not None else cfg.vision.image_token_id
         return cls(cfg.vision, cfg.vocab_size, image_id, limits=limits or ImageLimits(), fetch=fetch or FetchPolicy(),
-                   max_block_tokens=core.settings.max_prefill_tokens)
+                   max_block_tokens=max_block_tokens)
 
     # --- public entry point -----------------------------------------------------------------
 

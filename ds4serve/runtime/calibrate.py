@@ -20,15 +20,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine.plan import DecodeRow, PassMember, PassSlice, StepPlan, validate_step_result
 from ..engine.sampling import SamplerState, SamplingParams
-
-if TYPE_CHECKING:
-    from .core import EngineCore
+from .parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ _ENOUGH_S = 0.5  # timed runs stop early once they add up to this (a 128-token p
 _PREFILL_PROBE = 128  # tokens of the prefill probe (fewer where staging or the pool is smaller)
 
 
-def _timed(core: EngineCore, plan: StepPlan, what: str) -> float:
+def _timed(parts: EngineParts, plan: StepPlan, what: str) -> float:
     """Median wall time of ``plan`` over a few runs (the first run, cold, is discarded; fewer runs where
     each is long: the start-up of a real-width model is part of its time to healthy)."""
     times: list[float] = []
@@ -45,28 +42,28 @@ def _timed(core: EngineCore, plan: StepPlan, what: str) -> float:
         if sum(times) >= _ENOUGH_S:
             break
         t = time.perf_counter()
-        res = core.engine.step(plan)
-        if core.device.type == "cuda":
-            torch.cuda.synchronize(core.device)
+        res = parts.engine.step(plan)
+        if parts.device.type == "cuda":
+            torch.cuda.synchronize(parts.device)
         if i:
             times.append(time.perf_counter() - t)
-        problem = validate_step_result(plan, res, core.cfg.num_layers)
+        problem = validate_step_result(plan, res, parts.cfg.num_layers)
         if problem:
             raise RuntimeError(f"step-budget calibration: {what} failed: {res.error or problem}")
     return statistics.median(times)
 
 
-def probe_position(core: EngineCore) -> int:
+def probe_position(parts: EngineParts) -> int:
     """Where the decode probe decodes: past a full sliding window and several compressed rows, as a
     live stream does (a decoder at position 8 attends to 8 keys and costs a third less here than one
     at 300, which would make the budget too generous), within the context and the page pool."""
-    want = 4 * core.cfg.sliding_window
-    room = core.cache.free_pages // max(1, min(core.resolved.max_seqs, 16)) * core.cache.layout.page_tokens
-    return max(8, min(want, core.resolved.max_model_len - 2, room - 2))
+    want = 4 * parts.cfg.sliding_window
+    room = parts.cache.free_pages // max(1, min(parts.resolved.max_seqs, 16)) * parts.cache.layout.page_tokens
+    return max(8, min(want, parts.resolved.max_model_len - 2, room - 2))
 
 
-def _decode_time(core: EngineCore, n: int, position: int) -> float:
-    cache, slots = core.cache, []
+def _decode_time(parts: EngineParts, n: int, position: int) -> float:
+    cache, slots = parts.cache, []
     try:
         for _ in range(n):
             slot = cache.alloc_slot()
@@ -75,22 +72,22 @@ def _decode_time(core: EngineCore, n: int, position: int) -> float:
             slots.append(slot)
         greedy = SamplerState(SamplingParams(temperature=0.0), (3,), [])
         rows = tuple(DecodeRow(f"calibrate-{i}", s, position, 3, greedy) for i, s in enumerate(slots))
-        return _timed(core, StepPlan(-10, rows), f"decode of {n} rows")
+        return _timed(parts, StepPlan(-10, rows), f"decode of {n} rows")
     finally:
         for s in slots:
             cache.drop(s)
 
 
-def _prefill_time(core: EngineCore, n: int) -> float:
-    cache, L = core.cache, core.cfg.num_layers
+def _prefill_time(parts: EngineParts, n: int) -> float:
+    cache, L = parts.cache, parts.cfg.num_layers
     slot = cache.alloc_slot()
     try:
         if slot is None or not cache.reserve({slot: n + 1}):
             raise RuntimeError("step-budget calibration: no room for its prefill probe")
-        ids = tuple(3 + i % max(1, core.cfg.vocab_size - 3) for i in range(n))
+        ids = tuple(3 + i % max(1, parts.cfg.vocab_size - 3) for i in range(n))
         member = PassMember("calibrate", slot, 0, ids, sample=True,
                             sampler=SamplerState(SamplingParams(temperature=0.0), ids, []))
-        return _timed(core, StepPlan(-11, (), (PassSlice(-11, 0, L, (member,)),)), f"prefill of {n} tokens")
+        return _timed(parts, StepPlan(-11, (), (PassSlice(-11, 0, L, (member,)),)), f"prefill of {n} tokens")
     finally:
         cache.drop(slot)
 
@@ -106,21 +103,22 @@ def budget_table(a: float, b: float, c: float, max_stall: float, n_max: int, min
     return tuple(out)
 
 
-def calibrate(core: EngineCore, max_stall: float) -> tuple[int, ...]:
-    """Measure the step costs on scratch slots and return the prefill-token table."""
+def calibrate(parts: EngineParts, max_stall: float) -> tuple[int, ...]:
+    """Measure the step costs on scratch slots of the assembled parts (before any core exists) and
+    return the prefill-token table (``SchedulerLimits.prefill_tokens_at``)."""
     t0 = time.perf_counter()
-    n_big = max(1, min(core.resolved.max_seqs, 16, core.cache.free_slots,
-                       core.cache.free_pages // max(1, core.cache.layout.pages_for(probe_position(core) + 2))))
-    probe = max(2, min(_PREFILL_PROBE, core.resolved.staging_rows, core.settings.max_prefill_tokens))
-    pos = probe_position(core)
-    t1 = _decode_time(core, 1, pos)
-    tn = _decode_time(core, n_big, pos) if n_big > 1 else t1
-    tp = _prefill_time(core, probe)
+    n_big = max(1, min(parts.resolved.max_seqs, 16, parts.cache.free_slots,
+                       parts.cache.free_pages // max(1, parts.cache.layout.pages_for(probe_position(parts) + 2))))
+    probe = max(2, min(_PREFILL_PROBE, parts.resolved.staging_rows, parts.settings.max_prefill_tokens))
+    pos = probe_position(parts)
+    t1 = _decode_time(parts, 1, pos)
+    tn = _decode_time(parts, n_big, pos) if n_big > 1 else t1
+    tp = _prefill_time(parts, probe)
     b = max(0.0, (tn - t1) / (n_big - 1)) if n_big > 1 else 0.0
     a = max(1e-6, t1 - b)
     c = max(1e-9, (tp - t1) / (probe - 1))
-    lim = core.limits
-    table = budget_table(a, b, c, max_stall, core.resolved.max_seqs, lim.min_prefill_tokens, lim.step_tokens)
+    lim = parts.settings
+    table = budget_table(a, b, c, max_stall, parts.resolved.max_seqs, lim.min_prefill_tokens, lim.step_tokens)
     show = sorted({1, min(4, len(table) - 1), len(table) - 1})
     log.info("step budget calibrated in %.2f s: decode at position %d %.1f ms (1 row) / %.1f ms (%d rows), "
              "prefill %.3f ms per token -> prefill tokens per step beside %s decoders: %s (a step with prefill "

@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import StateLayout
-from ..config import PACKED_MODES, ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..model.loader import expected_tensors
 from ..model.vision import expected_vision_tensors
 from ..model.sharding import ShardPlan
 from ..model.weights import loaded_dtype
 from ..multimodal.chunking import max_chunk_len
+from ..settings import PACKED_MODES
 
 GiB = 2**30
 # bits per routed-expert weight as the checkpoint stores it: MXFP4 = 4-bit codes + one 8-bit scale

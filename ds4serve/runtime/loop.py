@@ -6,8 +6,11 @@ receive ``RequestOutput``s through per-request asyncio queues (``call_soon_threa
 that stops iterating (client disconnect, cancellation, timeout) aborts its request; the abort is
 applied before the next step, so its slot and pages are free when that step is planned.
 
-The server talks to this object only: ``limits`` and ``eos_ids`` to validate, ``submit`` to run,
-``abort`` to cancel, ``alive`` for health. It never reaches the core behind it.
+The server talks to this object only, and only through named methods: ``limits``, ``eos_ids``,
+``logits_width`` and ``model_config`` to validate and prepare, ``submit`` to run, ``abort`` to cancel,
+``alive`` for health, ``stats`` (the core's latest ``EngineStats``) for metrics,
+``reset_prefix_cache`` and ``on_rank_lost`` for the rest. It never reaches the core behind it (an
+architecture test holds it to that); ``call`` (any function of the core) is for tests and probes.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ..config import ModelConfig
 from ..engine.sampling import SamplingParams
 from ..multimodal.records import ImageInput
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import QueueFull, RequestTooLarge, SchedulerLimits
 from .core import EngineCore, FatalStepError
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,7 @@ class Shutdown:
 
 
 Message = Union[Add, Abort, Call, Shutdown]
-StepHook = Callable[[EngineCore, list[RequestOutput], float], None]
+StepHook = Callable[[float], None]  # the step's wall time, after the core published its stats
 
 
 @dataclass
@@ -82,8 +87,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # submitted, not yet finished (for queue-bound checks off the loop thread)
         self.fatal: str | None = None
-        self.on_step: StepHook | None = None  # callback(core, outputs, elapsed) from the loop thread (metrics)
-        self.on_change: Callable[[EngineCore], None] | None = None  # after messages changed state (add, abort)
+        self.on_step: StepHook | None = None  # callback(elapsed) from the loop thread after each step (metrics)
 
     # ---- what the server may know ----------------------------------------------------------
     @property
@@ -101,14 +105,23 @@ class EngineLoop:
         return self.core.cfg.vocab_size
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The served model's configuration (vision, vocabulary: what request preparation needs)."""
+        return self.core.cfg
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's figures as the core last published them (after its latest step, add or abort;
+        any thread: the snapshot is immutable, and swapping it in is one reference store)."""
+        return self.core.stats
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> EngineLoop:
         if self._thread is None:
-            if self.on_change is not None:  # the state as it starts (metrics from the first scrape on); the
-                self.on_change(self.core)   # loop thread is not running yet, so this thread still owns the core
             self._thread = threading.Thread(target=self._run, name="ds4serve-engine-loop", daemon=True)
             self._thread.start()
         return self
@@ -179,8 +192,24 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
+    def reset_prefix_cache(self, timeout: float = 30.0) -> int:
+        """Empty the prefix cache on the loop thread between steps (snapshots that running requests
+        still hold are the core's to keep); returns how many snapshots went. Blocks: call it off the
+        event loop."""
+        return self.call(EngineCore.reset_prefix_cache, timeout)
+
+    def on_rank_lost(self, callback: Callable[[str], None]) -> bool:
+        """Have ``callback(why)`` called (on the tensor-parallel watchdog's thread) when another rank dies
+        or hangs; False, and nothing to watch, without a tensor-parallel group. Set it before ``start``."""
+        group = self.core.parallel
+        if group is None:
+            return False
+        group.on_lost = callback
+        return True
+
     def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
-        """Run ``fn(core)`` on the loop thread between steps and return its result (probes, tests)."""
+        """Run ``fn(core)`` on the loop thread between steps and return its result (tests and probes; the
+        server asks through the named methods above)."""
         done = threading.Event()
         box: dict = {}
 
@@ -234,18 +263,14 @@ class EngineLoop:
                 break
             self._publish(outs)
             if self.on_step is not None:
-                self.on_step(core, outs, time.perf_counter() - t0)
+                self.on_step(time.perf_counter() - t0)
 
     def _drain(self) -> None:
-        changed = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                if changed and self.on_change is not None:
-                    self.on_change(self.core)
                 return
-            changed = True
             if isinstance(msg, Shutdown):
                 self._fail_all(msg.reason)
                 self._stop.set()

@@ -1,7 +1,7 @@
 """Memory sizing: the concrete sizes every fixed buffer is allocated with, resolved once at start-up.
 
 Defaults derive from the model and from the device's free memory, so a knob left unset is safe on
-any machine; the results are logged by ``EngineCore`` before anything is allocated.
+any machine; the results are logged by ``assemble`` as it allocates them.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import StateLayout
-from ..config import ConfigError, EngineSettings, ModelConfig, parse_budget
+from ..config import ConfigError, ModelConfig
 from ..multimodal.chunking import max_chunk_len
+from ..settings import EngineSettings, parse_budget
 
 
 @dataclass(frozen=True)

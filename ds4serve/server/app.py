@@ -30,7 +30,7 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop.on_step = state.metrics.on_step
-        state.loop.on_change = state.metrics.on_change
+        state.metrics.read_engine(lambda: state.loop.stats)
         state.loop.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, state.loop.shutdown)

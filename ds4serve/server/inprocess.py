@@ -16,9 +16,9 @@ from pathlib import Path
 
 import uvicorn
 
-from ..config import EngineSettings
 from ..runtime import EngineLoop
 from ..runtime.parallel import ParallelSettings
+from ..settings import EngineSettings
 from .app import create_app
 from .launch import build_state
 from .limits import ServerLimits
@@ -73,8 +73,8 @@ def serve(model_dir: Path, *, api_key: str | None = None, api_keys: Mapping[str,
     s = EngineSettings(**({"max_seqs": 8, "max_model_len": 1024, "warmup": False} | (settings or {})))
     state = build_state(model_dir, settings=s, limits=ServerLimits(**(limits or {})), api_key=api_key,
                         api_keys=api_keys, served_name=name, random_weights=random_weights, parallel=parallel)
-    if state.loop.core.parallel is not None:  # a lost rank stops this server, not the calling process
-        state.loop.core.parallel.on_lost = lambda why: state.loop.begin_shutdown(why)
+    # a lost rank (tensor-parallel) stops this server, not the calling process
+    state.loop.on_rank_lost(lambda why: state.loop.begin_shutdown(why))
     srv = RunningServer(state, free_port()).start()
     try:
         yield srv

@@ -16,9 +16,9 @@ from pathlib import Path
 import uvicorn
 
 from ..chat import Tokenizer
-from ..config import EngineSettings
 from ..runtime import EngineLoop, load_core
 from ..runtime.parallel import ParallelSettings
+from ..settings import EngineSettings
 from .app import create_app
 from .limits import ServerLimits
 from .state import ServerState
@@ -47,19 +47,21 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 image_hosts: tuple[str, ...] = (), packed_experts: bool | str = "auto",
                 parallel: ParallelSettings | None = None) -> ServerState:
     tokenizer = Tokenizer(model_dir)
-    core = load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
-                     extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts, parallel=parallel)
-    if core.parallel is not None:  # a rank died: stop the server (uvicorn's shutdown answers waiting clients)
-        core.parallel.on_lost = lambda why: os.kill(os.getpid(), signal.SIGTERM)
+    loop = EngineLoop(load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
+                                extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts, parallel=parallel))
+    # a rank died (tensor-parallel): stop the server (uvicorn's shutdown answers waiting clients)
+    loop.on_rank_lost(lambda why: os.kill(os.getpid(), signal.SIGTERM))
     name = served_name or model_dir.name
-    state = ServerState(loop=EngineLoop(core), tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
+    state = ServerState(loop=loop, tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
                         api_key=api_key, api_keys=api_keys, random_weights=random_weights)
-    if core.cfg.vision.enabled:
+    vision = loop.model_config.vision
+    if vision.enabled:
         from ..multimodal.fetch import FetchPolicy  # noqa: PLC0415 - only for vision checkpoints
         from ..multimodal.pipeline import ImagePipeline  # noqa: PLC0415
 
-        state.image_pipeline = ImagePipeline.for_engine(core, tokenizer, FetchPolicy(allowed_hosts=image_hosts))
-        log.info("images enabled: %d-token cap per image, remote URLs %s", core.cfg.vision.max_n_token,
+        state.image_pipeline = ImagePipeline.for_model(loop.model_config, tokenizer, loop.limits.max_prefill_tokens,
+                                                       FetchPolicy(allowed_hosts=image_hosts))
+        log.info("images enabled: %d-token cap per image, remote URLs %s", vision.max_n_token,
                  f"from {', '.join(image_hosts)}" if image_hosts else "disabled (data: URLs only)")
     if random_weights:
         log.warning("serving %s with RANDOM placeholder weights (answers are noise): for tests and load runs; "

@@ -1,4 +1,4 @@
-"""The server's own knobs (the engine's are ``config.EngineSettings``).
+"""The server's own knobs (the engine's are ``settings.EngineSettings``).
 
 A module of its own, importing nothing, so the CLI can read these defaults to build its flags
 without importing FastAPI or torch.

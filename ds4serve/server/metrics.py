@@ -1,8 +1,9 @@
 """Prometheus metrics: what users feel (TTFT, inter-token latency) and what the engine holds.
 
 Engine-side figures (queue, running, suspended, parked, slots, pages, passes, preemptions, decode
-width) are snapshotted on the engine-loop thread after every step and served from that snapshot, so a
-scrape never touches scheduler state from another thread. Latency histograms are observed by the
+width, the prefix cache) are read at scrape time from ``EngineLoop.stats``: the ``EngineStats``
+snapshot the core publishes on the engine-loop thread after every step, so a scrape never touches a
+core, a scheduler or a cache. Latency histograms are observed by the
 request handlers on the event loop; error and cancellation counters by the access-log middleware.
 
 Every series carries a ``model_name`` label (the served name), so dashboards that scrape several
@@ -10,53 +11,52 @@ servers, or compare against vLLM's metrics, can tell them apart. The per-request
 outcomes, errors, cancellations, rejections) also carry ``key_name``: the configured name of the API
 key the request came with, so its cardinality is the number of configured keys (never a key, never
 anything a client chose). Prometheus stores an empty label as no label, so a server without keys
-exports the same series as before the label existed. The prefix cache's figures come from
-``core.prefix_stats()`` in the same engine-thread snapshot.
+exports the same series as before the label existed.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..runtime import DECODE_WIDTH_WINDOW, EngineStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-DECODE_WIDTH_WINDOW = 64  # decode steps averaged by ds4serve_decode_width
 KEY_NOTE = ("; key_name: the API key's configured name (empty on a server without keys, or for a request "
             "refused before a key matched)")
 
-_GAUGES = {  # name: (help, snapshot key)
-    "ds4serve_queue_depth": ("requests waiting for a slot", "waiting"),
-    "ds4serve_requests_running": ("requests holding a slot (prefilling or decoding)", "running"),
-    "ds4serve_requests_prefilling": ("requests prefilling", "prefilling"),
-    "ds4serve_requests_suspended": ("requests suspended to host memory", "suspended"),
-    "ds4serve_requests_parked": ("requests dropped, waiting to be recomputed", "parked"),
-    "ds4serve_slots_in_use": ("sequence slots in use", "slots_in_use"),
-    "ds4serve_slots_total": ("sequence slots allocated at start-up", "slots_total"),
-    "ds4serve_pages_in_use": ("cache pages in use", "pages_in_use"),
-    "ds4serve_pages_total": ("cache pages in the pool", "pages_total"),
-    "ds4serve_host_suspend_bytes": ("host memory held by suspended requests", "host_used"),
-    "ds4serve_passes_in_flight": ("prefill passes spanning several steps", "passes"),
+_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {  # name: (help, its figure)
+    "ds4serve_queue_depth": ("requests waiting for a slot", lambda s: s.requests["waiting"]),
+    "ds4serve_requests_running": ("requests holding a slot (prefilling or decoding)", lambda s: s.running),
+    "ds4serve_requests_prefilling": ("requests prefilling", lambda s: s.requests["prefilling"]),
+    "ds4serve_requests_suspended": ("requests suspended to host memory", lambda s: s.requests["suspended"]),
+    "ds4serve_requests_parked": ("requests dropped, waiting to be recomputed", lambda s: s.requests["parked"]),
+    "ds4serve_slots_in_use": ("sequence slots in use", lambda s: s.slots_in_use),
+    "ds4serve_slots_total": ("sequence slots allocated at start-up", lambda s: s.slots_total),
+    "ds4serve_pages_in_use": ("cache pages in use", lambda s: s.pages_in_use),
+    "ds4serve_pages_total": ("cache pages in the pool", lambda s: s.pages_total),
+    "ds4serve_host_suspend_bytes": ("host memory held by suspended requests", lambda s: s.host_used),
+    "ds4serve_passes_in_flight": ("prefill passes spanning several steps", lambda s: s.requests["passes"]),
     "ds4serve_decode_width": (f"mean decoding rows per decode step over the last {DECODE_WIDTH_WINDOW} decode "
-                              "steps (the batch width decode really runs at)", "decode_width"),
+                              "steps (the batch width decode really runs at)", lambda s: s.decode_width),
 }
-_COUNTERS = {  # name (without _total): (help, snapshot key)
-    "ds4serve_engine_steps": ("engine steps executed", "steps"),
-    "ds4serve_decode_steps": ("engine steps that decoded at least one row", "decode_steps"),
-    "ds4serve_decode_rows": ("rows decoded (one token each), summed over steps", "decode_rows"),
-    "ds4serve_prefill_rows": ("prefill rows run in pass slices, summed over steps", "prefill_rows"),
+_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {  # name (without _total): (help, figure)
+    "ds4serve_engine_steps": ("engine steps executed", lambda s: s.steps),
+    "ds4serve_decode_steps": ("engine steps that decoded at least one row", lambda s: s.decode_steps),
+    "ds4serve_decode_rows": ("rows decoded (one token each), summed over steps", lambda s: s.decode_rows),
+    "ds4serve_prefill_rows": ("prefill rows run in pass slices, summed over steps", lambda s: s.prefill_rows),
 }
-# the prefix cache, from ``core.prefix_stats()`` (all zero when caching is off)
-_PREFIX_GAUGES = {  # name: (help, prefix_stats key)
+# the prefix cache, from ``EngineStats.prefix`` (all zero when caching is off)
+_PREFIX_GAUGES = {  # name: (help, EngineStats.prefix key)
     "ds4serve_prefix_cache_enabled": ("1 when the prefix cache is on", "enabled"),
     "ds4serve_prefix_cache_bytes": ("bytes held by the prefix cache (snapshots and shared pages)", "cached_bytes"),
     "ds4serve_prefix_cache_budget_bytes": ("the prefix cache's byte budget", "budget_bytes"),
     "ds4serve_prefix_cache_snapshots": ("prefix snapshots held", "snapshots"),
     "ds4serve_prefix_cache_pages": ("cache pages held by the prefix cache", "cached_pages"),
 }
-_PREFIX_COUNTERS = {  # name (without _total): (help, prefix_stats key)
+_PREFIX_COUNTERS = {  # name (without _total): (help, EngineStats.prefix key)
     "ds4serve_prefix_cache_hit_tokens": ("prompt tokens whose state came from the prefix cache", "hit_tokens"),
     "ds4serve_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache", "queried_tokens"),
     "ds4serve_prefix_cache_hits": ("prefix-cache lookups that found a cached prefix", "hits"),
@@ -67,30 +67,33 @@ _PREFIX_COUNTERS = {  # name (without _total): (help, prefix_stats key)
 
 
 class _EngineCollector:
+    """The engine's series, rendered at scrape time from the latest ``EngineStats`` (none before a
+    source is bound: a ``Metrics`` without an engine serves only its own series)."""
+
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.snapshot: dict = {}
+        self.source: Callable[[], EngineStats] | None = None
 
     def collect(self):
-        s, m = self.snapshot, [self.model_name]
-        if not s:
+        if self.source is None:
             return
-        for name, (doc, key) in _GAUGES.items():
+        s, m = self.source(), [self.model_name]
+        for name, (doc, figure) in _GAUGES.items():
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(m, s[key])
+            g.add_metric(m, figure(s))
             yield g
         pre = CounterMetricFamily("ds4serve_preemptions", "requests preempted under memory pressure, by kind "
                                   "(suspend to host, drop for recompute, fail)", labels=["model_name", "kind"])
         for kind in ("suspend", "drop", "fail"):
-            pre.add_metric([*m, kind], s["stats"][f"preempt_{kind}"])
+            pre.add_metric([*m, kind], s.counters.get(f"preempt_{kind}", 0))
         yield pre
-        for name, (doc, key) in _COUNTERS.items():
+        for name, (doc, figure) in _COUNTERS.items():
             c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(m, s[key])
+            c.add_metric(m, figure(s))
             yield c
-        yield from self._prefix(s["prefix"])
+        yield from self._prefix(s.prefix)
 
-    def _prefix(self, p: dict):
+    def _prefix(self, p):
         """The prefix-cache series; a key the core does not report reads 0 (a scrape never fails)."""
         m = [self.model_name]
         for name, (doc, key) in _PREFIX_GAUGES.items():
@@ -113,42 +116,12 @@ class _Bound:
         return self.family.labels(self.model_name, *values)
 
 
-class _StepTally:
-    """Decode and prefill rows of the steps in ``core.history`` not yet counted (engine-loop thread)."""
-
-    def __init__(self):
-        self.last_step = 0
-        self.decode_steps = self.decode_rows = self.prefill_rows = 0
-        self.recent: deque[int] = deque(maxlen=DECODE_WIDTH_WINDOW)
-
-    def update(self, history) -> None:
-        new = []
-        for rec in reversed(history):
-            if rec.step_id <= self.last_step:
-                break
-            new.append(rec)
-        for rec in reversed(new):
-            self.last_step = rec.step_id
-            self.prefill_rows += rec.prefill_rows
-            if rec.decode_rows:
-                self.decode_steps += 1
-                self.decode_rows += rec.decode_rows
-                self.recent.append(rec.decode_rows)
-
-    @property
-    def width(self) -> float:
-        return sum(self.recent) / len(self.recent) if self.recent else 0.0
-
-
 class Metrics:
     def __init__(self, model_name: str = "ds4serve"):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
-        self._steps = 0
-        self._tally = _StepTally()
-        self._snapshot_at = 0.0
         r, m, lab = self.registry, model_name, ["model_name"]
 
         def hist(name: str, doc: str):
@@ -175,39 +148,13 @@ class Metrics:
         self.cancellations = per_key("ds4serve_cancellations", "requests stopped before their end, by reason "
                                      "(client_disconnect, timeout, server_shutdown)", "reason")
 
-    def on_step(self, core, outputs, elapsed: float) -> None:
-        """Engine-loop thread: count the new steps' rows and refresh the engine snapshot: after a step that
-        finished a request, else at most every ``SNAPSHOT_EVERY_S`` (a snapshot costs ~0.5 ms, and steps
-        run every few ms; a scrape is seconds apart, and the last step of any work finishes a request)."""
-        self._steps += 1
-        self.step_time.observe(elapsed)
-        self._tally.update(core.history)
-        now = time.monotonic()
-        if now - self._snapshot_at >= SNAPSHOT_EVERY_S or any(o.finished for o in outputs):
-            self._engine.snapshot = snapshot(core, self._steps, self._tally)
-            self._snapshot_at = now
+    def read_engine(self, source: Callable[[], EngineStats]) -> None:
+        """Render the engine's series from ``source()`` at each scrape (``lambda: loop.stats``)."""
+        self._engine.source = source
 
-    def on_change(self, core) -> None:
-        """Engine-loop thread, after commands (add/abort) changed state without a step."""
-        self._engine.snapshot = snapshot(core, self._steps, self._tally)
+    def on_step(self, elapsed: float) -> None:
+        """Engine-loop thread, after each step: its wall time."""
+        self.step_time.observe(elapsed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-SNAPSHOT_EVERY_S = 0.05
-
-
-def snapshot(core, steps: int = 0, tally: _StepTally | None = None) -> dict:
-    c = core.scheduler.counts()
-    cache = core.cache
-    tally = tally or _StepTally()
-    return {
-        "waiting": c["waiting"], "running": c["prefilling"] + c["decoding"], "prefilling": c["prefilling"],
-        "suspended": c["suspended"], "parked": c["parked"], "passes": c["passes"],
-        "slots_in_use": cache.n_slots - cache.free_slots, "slots_total": cache.n_slots,
-        "pages_in_use": cache.state.pages.used_pages, "pages_total": cache.state.n_pages,
-        "host_used": cache.host_used, "stats": dict(core.scheduler.stats), "steps": steps, "at": time.time(),
-        "decode_width": tally.width, "decode_steps": tally.decode_steps, "decode_rows": tally.decode_rows,
-        "prefill_rows": tally.prefill_rows, "prefix": dict(core.prefix_stats()),
-    }

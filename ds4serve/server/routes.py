@@ -50,12 +50,8 @@ async def reset_prefix_cache(request: Request) -> dict:
     state = state_of(request)
     if not state.loop.alive:
         raise APIError(503, "the engine is not available", type_="server_error", code="engine_unavailable")
-    dropped = await state.run_blocking(state.loop.call, _reset)
+    dropped = await state.run_blocking(state.loop.reset_prefix_cache)
     return {"reset": True, "snapshots_dropped": dropped}
-
-
-def _reset(core) -> int:
-    return core.reset_prefix_cache()
 
 
 def install_routes(app: FastAPI) -> None:

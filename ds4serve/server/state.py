@@ -1,7 +1,8 @@
 """What the server holds: one typed record that every route and helper reads.
 
-The engine below is reached only through ``loop`` (an ``EngineLoop``: its ``limits``, its
-``eos_ids``, ``submit``, ``abort``, ``alive``). Slow host work (templating, tokenizing, image
+The engine below is reached only through ``loop``, an ``EngineLoop``, by its named methods (``limits``,
+``eos_ids``, ``submit``, ``alive``, ``stats``, ``reset_prefix_cache``, ...; never a core, a scheduler or
+a cache: ``tests/test_architecture.py`` checks). Slow host work (templating, tokenizing, image
 decoding) runs in ``executor`` so the event loop never blocks.
 """
 

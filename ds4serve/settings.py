@@ -1,0 +1,94 @@
+"""The engine's knobs (``EngineSettings``) and the size budgets they are given in.
+
+Each knob has a safe default, resolved against the model and the device at start-up
+(``runtime/sizing.py``); a value out of range is a :class:`~ds4serve.config.ConfigError` naming it.
+The server's own knobs are ``server/limits.py`` ``ServerLimits``; the model's are ``config.py``
+``ModelConfig``. Environment variables are read in ``environment.py`` and the CLI only (DESIGN §8.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(value: str | int | None) -> tuple[str, int] | None:
+    """``"4096"``/``4096``/``"64k"`` -> ("tokens", n); ``"512MiB"``/``"2GB"`` -> ("bytes", n)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return ("tokens", value)
+    text = str(value).strip().lower().replace(" ", "")
+    for unit in sorted(_SIZE_UNITS, key=len, reverse=True):
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return ("bytes", int(float(text[: -len(unit)]) * _SIZE_UNITS[unit]))
+    mult = 1
+    if text.endswith("k"):
+        text, mult = text[:-1], 1024
+    if not text.isdigit():
+        raise ConfigError(f"budget {value!r}: use a token count (4096, 64k) or a size (512MiB, 2GB)")
+    return ("tokens", int(text) * mult)
+
+
+HOST_KERNEL_MODES = ("auto", "on", "off")
+PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Knobs of the engine; every one has a safe default (resolved against the model and device)."""
+
+    max_seqs: int = 16  # sequence slots (fixed state allocated for each at start-up)
+    max_model_len: int | None = None  # longest prompt + completion; default min(model max, 8192)
+    kv_budget: str | int | None = None  # paged state budget: tokens ("64k") or bytes ("2GiB")
+    host_budget: str | int | None = None  # host memory for suspended sequences (bytes; default 1 GiB)
+    step_tokens: int = 256  # step budget in tokens; in row-layers it is step_tokens x num_layers
+    max_prefill_tokens: int = 1024  # largest prefill chunk / pass (rows), also the staging size per slot
+    min_prefill_tokens: int = 16  # prefill progress guaranteed per step even when decoders fill the budget
+    # time-calibrated budget: a step that carries prefill takes at most this many times the pure-decode
+    # step of the same decoders (costs measured at start-up, runtime/calibrate.py); 0: step_tokens alone
+    max_stall: float = 2.0
+    prefill_mode: str = "chunk"  # text prefill: "chunk" (token chunks with decode) or "layers" (layer slices)
+    max_queue: int = 256  # waiting requests beyond this are refused (HTTP 503)
+    page_tokens: int | None = None  # raw positions per page (multiple of every compress ratio)
+    image_rows_budget: str | int | None = None  # retained encoded image rows (bytes; default 256 MiB)
+    warmup: bool = True  # run a warm-up request through every path at start-up
+    # pure-decode steps, one of engine.decode_graphs.MODES ("auto": CUDA graphs on CUDA, else off); checked
+    # by the runtime (this module sits below the engine and does not restate the list)
+    decode_graphs: str = "auto"
+    # text forwards (decode rows and prefill chunks) on the host as one native call per step
+    # (model/host_decode.py): "auto" where it applies (host, fp32, one process; else the torch path,
+    # reason logged), "on" (start-up fails where it cannot), "off" (the torch path always)
+    host_kernels: str = "auto"
+    # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
+    # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
+    enable_prefix_caching: bool = True
+    prefix_cache_budget: str | int | None = None
+    prefix_interval: int = 256
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_seqs >= 1, "max_seqs must be >= 1"),
+            (self.step_tokens >= 1, "step_tokens must be >= 1"),
+            (self.max_stall == 0 or self.max_stall > 1, "max_stall must be 0 (off) or > 1"),
+            (self.max_prefill_tokens >= 16, "max_prefill_tokens must be >= 16"),
+            (1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
+             "min_prefill_tokens must be in [1, max_prefill_tokens]"),
+            (self.prefill_mode in ("chunk", "layers"), "prefill_mode must be 'chunk' or 'layers'"),
+            (self.max_queue >= 1, "max_queue must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.prefix_interval >= 16, "prefix_interval must be >= 16 tokens"),
+            (self.host_kernels in HOST_KERNEL_MODES, f"host_kernels must be one of {', '.join(HOST_KERNEL_MODES)}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        parse_budget(self.kv_budget)
+        parse_budget(self.host_budget)
+        for name in ("image_rows_budget", "prefix_cache_budget"):
+            got = parse_budget(getattr(self, name))
+            if got is not None and got[0] != "bytes":
+                raise ConfigError(f"{name} is a size in bytes, e.g. 256MiB")
