@@ -45,6 +45,7 @@ class StopMatcher:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._buf = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text (Anthropic's stop_sequence)
 
     def feed(self, text: str) -> str:
         """Text safe to emit now; sets ``stopped`` when a stop string appears (it is not emitted)."""
@@ -55,7 +56,7 @@ class StopMatcher:
         self._buf += text
         hits = [(self._buf.find(s), s) for s in self.stops if s in self._buf]
         if hits:
-            cut = min(h for h, _ in hits)
+            cut, self.matched = min(hits, key=lambda h: h[0])
             out, self._buf, self.stopped = self._buf[:cut], "", True
             return out
         keep = self._partial_suffix()

@@ -1,8 +1,9 @@
 """The FastAPI application: middleware, error handlers, routes, and the engine loop's lifetime.
 
 Everything slow runs elsewhere: the model in the engine-loop thread, templating / tokenizing /
-image decoding in a worker pool. Every error body is OpenAI-shaped (``errors``); every request has
-an id and one access log line (``access_log``). The request path goes one way, down:
+image decoding in a worker pool. Every error body is OpenAI-shaped (``errors``; Anthropic-shaped on the
+Messages API routes, ``anthropic_api``); every request has an id and one access log line
+(``access_log``). The request path goes one way, down:
 ``routes`` -> ``jobs`` (validate, render) -> ``serving`` (admit, stream) -> ``runtime.EngineLoop``.
 """
 
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from .access_log import AccessLog
+from .anthropic_api import install_anthropic_routes
 from .errors import _error_response, install_error_handlers
 from .limits import ServerLimits
 from .middleware import Auth, BodyLimit
@@ -46,5 +48,6 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(AccessLog, metrics=state.metrics)
     install_error_handlers(app)
     install_routes(app)
+    install_anthropic_routes(app)
     mount_webui(app, enabled=state.limits.webui)
     return app

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .access_log import RequestRecord, record_of, request_id_of
+from .anthropic_errors import anthropic_error, is_anthropic_path
 from .protocol import APIError
 
 log = logging.getLogger("ds4serve.server.app")
@@ -32,16 +33,20 @@ class _ErrorJSON(JSONResponse):
             return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def _error_response(err: APIError, rec: RequestRecord | None = None) -> JSONResponse:
-    """The OpenAI error body; the error is noted on the request's access-log record."""
+def _error_response(err: APIError, rec: RequestRecord | None = None, path: str = "") -> JSONResponse:
+    """The OpenAI error body (Anthropic's on the Messages API routes, ``anthropic_errors``); the
+    error is noted on the request's access-log record."""
     if rec is not None:
         rec.note_error(err)
+    if is_anthropic_path(path):
+        status, body = anthropic_error(err)
+        return _ErrorJSON(body, status_code=status, headers=err.headers)
     return _ErrorJSON(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def send_error(scope: dict, send: Any, err: APIError) -> None:
     """Answer from ASGI middleware (below FastAPI's exception handlers)."""
-    resp = _error_response(err, record_of(scope))
+    resp = _error_response(err, record_of(scope), scope.get("path", ""))
     await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
@@ -73,17 +78,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return _error_response(exc, record_of(request))
+    return _error_response(exc, record_of(request), request.url.path)
 
 
 async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     msg, param = _validation_message(exc)
-    return _error_response(APIError(400, msg, param=param), record_of(request))
+    return _error_response(APIError(400, msg, param=param), record_of(request), request.url.path)
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return _error_response(APIError(exc.status_code, str(exc.detail), code=code), record_of(request))
+    err = APIError(exc.status_code, str(exc.detail), code=code)
+    return _error_response(err, record_of(request), request.url.path)
 
 
 async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -92,7 +98,7 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error in %s %s (request_id=%s)", request.method, request.url.path, rid)
     err = APIError(500, "internal server error", type_="server_error", code="internal_error",
                    headers={"x-request-id": rid} if rid else None)
-    return _error_response(err, record_of(request))
+    return _error_response(err, record_of(request), request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

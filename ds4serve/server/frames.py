@@ -32,6 +32,7 @@ class Event:
     completion: int = 0  # the choice's completion tokens so far
     reasoning_tokens: int = 0  # of those, tokens of reasoning (chat, thinking mode)
     cached: int = 0  # the choice's prompt tokens served from the prefix cache
+    stop: str | None = None  # the stop string that ended the choice (finish_reason "stop" by a stop string)
 
 
 def usage_of(job: Job, completion: list[int], reasoning: list[int]) -> dict:

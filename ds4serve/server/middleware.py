@@ -43,8 +43,10 @@ class BodyLimit:
                                                           "bytes", code="request_too_large"))
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(BaseException):
+    """Raised from ``receive`` past the limit. Not an ``Exception``: FastAPI turns any exception while it
+    reads a body into a 400 "error parsing the body", so a streamed (chunked) oversized body was a 400,
+    not the 413 a declared one gets; this passes through to ``BodyLimit``."""
 
 
 GUARDED = frozenset({"/metrics", "/tokenize", "/detokenize", "/apply-template", "/reset_prefix_cache"})
@@ -66,7 +68,7 @@ class Auth:
             name = self.keys.match(_token(Request(scope)))
             if name is None:
                 return await send_error(scope, send, APIError(
-                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                    401, "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                     type_="invalid_request_error", code="invalid_api_key"))
             scope[KEY_SCOPE] = name
             rec = record_of(scope)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from .anthropic_errors import document_routes
 from .middleware import GUARDED
 
 _ERROR_SCHEMA = {
@@ -22,7 +23,8 @@ _ERRORS = {"400": "invalid request (OpenAI error body)", "401": "missing or wron
 
 # the errors of the non-generating routes (a generation route also answers 503 / 504)
 _PLAIN_ERRORS = {**dict.fromkeys(("/tokenize", "/detokenize", "/apply-template"), ("400", "404", "413", "500")),
-                 "/v1/models/{model_id}": ("404",), "/reset_prefix_cache": ("500", "503")}
+                 "/v1/models/{model_id}": ("404",), "/reset_prefix_cache": ("500", "503"),
+                 "/v1/responses/{response_id}": ("404",)}
 
 _REQUEST_ID = {"description": "the request's id: the client's x-request-id when it is visible ASCII of at most 256 "
                               "characters, else one made by the server; it names the request in the server's logs",
@@ -47,7 +49,7 @@ def custom_openapi(app: FastAPI) -> dict:
                 responses["401"] = {"description": _ERRORS["401"], "content": err}
             for code in _PLAIN_ERRORS.get(path, ()):
                 responses[code] = {"description": _ERRORS[code], "content": err}
-            if path in ("/v1/chat/completions", "/v1/completions"):
+            if path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
                 for code in ("400", "404", "413", "500", "503", "504"):
                     responses[code] = {"description": _ERRORS[code], "content": err}
                 ok = responses.setdefault("200", {"description": "Successful Response"})
@@ -60,6 +62,7 @@ def custom_openapi(app: FastAPI) -> dict:
                                     "content": {"text/plain": {"schema": {"type": "string"}}}}
             for resp in responses.values():
                 resp.setdefault("headers", {})["x-request-id"] = _REQUEST_ID
+    document_routes(schema)  # the Messages API answers with Anthropic's error body
     for comp in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(comp, None)
     app.openapi_schema = schema

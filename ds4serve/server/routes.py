@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from .jobs import build_chat, build_completion, new_request_id
 from .middleware import key_name_of
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .responses_api import create_response, get_response
 from .serving import respond
 from .state import state_of
 from .tokenize import apply_template, detokenize, model, model_card, tokenize
@@ -64,6 +65,8 @@ def install_routes(app: FastAPI) -> None:
               ("POST", "/apply-template", apply_template, "messages -> the rendered DS4 prompt (llama.cpp's shape)"),
               ("POST", "/v1/chat/completions", chat, "chat completions (streaming or not)"),
               ("POST", "/v1/completions", completions, "text completions (streaming or not)"),
+              ("POST", "/v1/responses", create_response, "OpenAI Responses API (stateless; streaming or not)"),
+              ("GET", "/v1/responses/{response_id}", get_response, "404: responses are not stored"),
               ("POST", "/reset_prefix_cache", reset_prefix_cache, "drop every prefix-cache snapshot (vLLM's route)")]
     for method, path, fn, summary in routes:
         app.add_api_route(path, fn, methods=[method], summary=summary, response_model=None)

@@ -72,7 +72,7 @@ class ChoiceStream:
                 finish = self.chat.finish_reason(finish)
             return Event(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
                          (self.prompt_len, self.completion) if finish else None, deltas, self.completion,
-                         self.chat.reasoning_tokens, cached=out.cached_tokens)
+                         self.chat.reasoning_tokens, cached=out.cached_tokens, stop=self.chat.stops.matched)
         text = self.stops.feed(self.detok.push(ids))
         if self.stops.stopped:
             finish = "stop"
@@ -80,7 +80,7 @@ class ChoiceStream:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
         return Event(self.index, text, tuple(out.new_token_ids), lps, finish, out.error,
                      (self.prompt_len, self.completion) if finish else None, completion=self.completion,
-                     cached=out.cached_tokens)
+                     cached=out.cached_tokens, stop=self.stops.matched)
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.state.metrics
