@@ -39,6 +39,9 @@ _ENGINE_FLAGS = {
     "--prefix-cache-budget": ("prefix_cache_budget", str, "memory the prefix cache may keep, in bytes (e.g. "
                               "256MiB; None: a share of the state pool)"),
     "--prefix-interval": ("prefix_interval", int, "prompt tokens between prefix-cache snapshots"),
+    "--speculative-config": ("speculative", str, "speculative decoding, vLLM's JSON shape, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'; auto: the checkpoint\'s drafter '
+                             "if it has one"),
 }
 _SERVER_FLAGS = {
     "--request-timeout": ("request_timeout_s", float, "seconds per request"),

@@ -8,7 +8,8 @@ The server's own knobs are ``server/limits.py`` ``ServerLimits``; the model's ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 from .config import ConfigError
 
@@ -35,6 +36,64 @@ def parse_budget(value: str | int | None) -> tuple[str, int] | None:
 
 HOST_KERNEL_MODES = ("auto", "on", "off")
 PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
+
+
+SPEC_METHODS = ("ngram", "dspark", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config``: vLLM's JSON shape (``method``, ``num_speculative_tokens``,
+    ``prompt_lookup_min`` / ``prompt_lookup_max``) plus ours: ``prompt_lookup_window`` (tokens of history the
+    n-gram lookup searches) and ``draft_share`` (the share of a step's calibrated spare rows drafts may
+    take; scheduler/drafting.py)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    prompt_lookup_window: int = 4096
+    draft_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in SPEC_METHODS, f"speculative method must be one of {', '.join(SPEC_METHODS)}"),
+            (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]"),
+            (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "prompt_lookup_min must be >= 1 and <= prompt_lookup_max"),
+            (self.prompt_lookup_window >= self.prompt_lookup_max + 1,
+             "prompt_lookup_window must be longer than prompt_lookup_max"),
+            (0 < self.draft_share <= 1, "draft_share must be in (0, 1]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"--speculative-config: {msg}")
+
+
+def parse_speculative(value: str | dict | None) -> SpeculativeConfig | str | None:
+    """A JSON object (or dict) -> ``SpeculativeConfig``; ``"auto"`` stays "auto" (the runtime picks what the
+    checkpoint has); None / "" / "off" -> None. Unknown keys are refused, naming them."""
+    if value is None or value in ("", "off", "none"):
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--speculative-config is not JSON ({exc.msg}); e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 4}\' or auto') from None
+    if not isinstance(value, dict) or "method" not in value:
+        raise ConfigError('--speculative-config needs a JSON object with a "method" (ngram, dspark or mtp)')
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+    for f in fields(SpeculativeConfig):
+        kind = {"str": str, "int": int, "float": (int, float)}[f.type]
+        if f.name in value and (not isinstance(value[f.name], kind) or isinstance(value[f.name], bool)):
+            raise ConfigError(f"--speculative-config: {f.name} must be {f.type}, got {value[f.name]!r}")
+    return SpeculativeConfig(**value)
 
 
 @dataclass(frozen=True)
@@ -68,6 +127,8 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     prefix_cache_budget: str | int | None = None
     prefix_interval: int = 256
+    # speculative decoding: a SpeculativeConfig, its JSON (parse_speculative), "auto" or None (off)
+    speculative: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -86,6 +147,8 @@ class EngineSettings:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         parse_budget(self.kv_budget)
         parse_budget(self.host_budget)
         for name in ("image_rows_budget", "prefix_cache_budget"):

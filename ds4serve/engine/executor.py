@@ -11,6 +11,7 @@ step's requests (reported, never silent) and leaves the engine usable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import SeqChunk, build_view
+from ..cache.draft_rows import DraftSpan, SavedRings
 from ..cache.manager import CacheManager
 from ..config import ModelConfig
 from ..environment import openmp_spin_advice
@@ -26,11 +28,26 @@ from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_decode import HostDecoder, description as host_build
 from .decode_graphs import DecodeRunner, resolve_mode
+from .drafted import verify_drafts
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
 from .sampling import sample_rows
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """A sequence that gets tokens this step: its sampler, and the draft it verifies (if any)."""
+
+    request_id: str
+    slot: int
+    sampler: object
+    draft: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return 1 + len(self.draft)
 
 
 @dataclass
@@ -152,36 +169,45 @@ class Engine:
         L = self.num_layers
         whole = [p for p in plan.passes if p.layer_start == 0 and p.layer_stop == L]
         sliced = [p for p in plan.passes if p not in whole]
-        rows: list[torch.Tensor] = []  # hidden streams of rows to sample, in ``samplers`` order
-        samplers: list = []
-        owners: list[tuple[str, int]] = []
+        rows: list[torch.Tensor] = []  # hidden streams of rows to sample, in ``owners`` order
+        owners: list[_Owner] = []
+        saved = None
         if plan.decodes or whole:
-            self._merged_forward(plan.decodes, whole, rows, samplers, owners)
+            saved = self._merged_forward(plan.decodes, whole, rows, owners)
         progress = [PassProgress(p.pass_id, L, True) for p in whole]
         for p in sliced:
-            progress.append(self._advance(p, rows, samplers, owners))
-        tokens = self._sample(rows, samplers, owners)
+            progress.append(self._advance(p, rows, owners))
+        tokens = self._sample(rows, owners)
+        if saved is not None:  # the rejected tail of every draft leaves no trace in the rings
+            accepted = {t.slot: len(t.accepted) for t in tokens}
+            saved.restore([accepted.get(s.slot, 0) for s in saved.spans])
         return tuple(tokens), tuple(progress)
 
-    def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows, samplers, owners):
-        chunks = [SeqChunk(d.slot, d.position, (d.token,), self.cache.block_table(d.slot)) for d in decodes]
-        want = [(d.request_id, d.slot, d.sampler) for d in decodes]
+    def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows,
+                        owners) -> SavedRings | None:
+        """Every decoder (with its draft) and every whole pass in one forward; returns the ring rows the
+        drafts overwrite (``draft_rows``), saved before the forward, or None without drafts."""
+        chunks = [SeqChunk(d.slot, d.position, (d.token, *d.draft), self.cache.block_table(d.slot)) for d in decodes]
+        want = [_Owner(d.request_id, d.slot, d.sampler, d.draft) for d in decodes]
         for p in whole:
             for m in p.members:
                 chunks.append(self._member_chunk(m))
-                want.append((m.request_id, m.slot, m.sampler) if m.sample else None)
+                want.append(_Owner(m.request_id, m.slot, m.sampler) if m.sample else None)
+        spans = [DraftSpan(d.slot, d.position + 1, len(d.draft)) for d in decodes if d.draft]
+        if spans and not self.sample:
+            raise StepError("drafts need the sampling rank's verification; this engine does not sample")
+        saved = SavedRings(self.cache.state, spans) if spans else None
         view = self._view(chunks)
-        streams = self.decode.run(view, len(chunks)) if self.decode.enabled and not whole and view.is_image is None else None
+        graphs = self.decode.enabled and not whole and not spans and view.is_image is None
+        streams = self.decode.run(view, len(chunks)) if graphs else None
         if streams is None:
             streams = self._forward(view)
-        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0) - 1
-        pick = [int(e) for e, w in zip(ends, want) if w is not None]
+        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0)
+        pick = [r for e, w in zip(ends.tolist(), want) if w is not None for r in range(e - w.rows, e)]
         if pick:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
-            for w in want:
-                if w is not None:
-                    owners.append((w[0], w[1]))
-                    samplers.append(w[2])
+            owners.extend(w for w in want if w is not None)
+        return saved
 
     def _view(self, chunks):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,
@@ -191,7 +217,7 @@ class Engine:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
                         captures=m.captures)
 
-    def _advance(self, p: PassSlice, rows, samplers, owners) -> PassProgress:
+    def _advance(self, p: PassSlice, rows, owners) -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
         st = self._passes.get(p.pass_id)
         if p.layer_start == 0:
@@ -222,10 +248,7 @@ class Engine:
         pick = [int(e) for e, m in zip(ends, p.members) if m.sample]
         if pick:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
-            for m in p.members:
-                if m.sample:
-                    owners.append((m.request_id, m.slot))
-                    samplers.append(m.sampler)
+            owners.extend(_Owner(m.request_id, m.slot, m.sampler) for m in p.members if m.sample)
         return PassProgress(p.pass_id, st.cursor, True)
 
     def _layers(self, st: _PassState, streams: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
@@ -259,17 +282,32 @@ class Engine:
         parts = [self.cache.staging[m.slot, :len(m.ids)] for m in members]
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
-    def _sample(self, rows, samplers, owners) -> list[SampledToken]:
-        if not samplers or not self.sample:
+    def _sample(self, rows, owners: list[_Owner]) -> list[SampledToken]:
+        """One token per owner (sampled), or for a decoder with a draft, the accepted prefix and the
+        target's token after it (verified, ``drafted.verify_drafts``): the LM head runs once over all rows."""
+        if not owners or not self.sample:
             return []
         streams = torch.cat(rows) if len(rows) > 1 else rows[0]
         logits = self.host.logits(streams) if self.host is not None else self.model.logits(streams)
-        draws = sample_rows(logits, samplers)
-        out = []
-        for (rid, slot), d in zip(owners, draws):
-            if d.ok:
-                out.append(SampledToken(rid, slot, d.token, logprob=d.logprob, top_logprobs=d.top_logprobs))
-            else:
-                log.error("request %s (slot %d): %s", rid, slot, d.error)
-                out.append(SampledToken(rid, slot, -1, status=RowStatus.FAILED, error=d.error))
-        return out
+        starts = torch.tensor([0] + [o.rows for o in owners]).cumsum(0).tolist()
+        plain = [i for i, o in enumerate(owners) if not o.draft]
+        out: dict[int, SampledToken] = {}
+        if plain:
+            rows_at = torch.tensor([starts[i] for i in plain], device=logits.device)
+            draws = sample_rows(logits.index_select(0, rows_at), [owners[i].sampler for i in plain])
+            out.update({i: self._token(owners[i], d) for i, d in zip(plain, draws)})
+        drafted = [i for i, o in enumerate(owners) if o.draft]
+        if drafted:
+            groups = [logits[starts[i]:starts[i] + owners[i].rows] for i in drafted]
+            outcomes = verify_drafts(groups, [owners[i].sampler for i in drafted], [owners[i].draft for i in drafted])
+            for i, v in zip(drafted, outcomes):
+                tok = self._token(owners[i], v.draw)
+                out[i] = dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs)
+        return [out[i] for i in range(len(owners))]
+
+    @staticmethod
+    def _token(owner: _Owner, d) -> SampledToken:
+        if d.ok:
+            return SampledToken(owner.request_id, owner.slot, d.token, logprob=d.logprob, top_logprobs=d.top_logprobs)
+        log.error("request %s (slot %d): %s", owner.request_id, owner.slot, d.error)
+        return SampledToken(owner.request_id, owner.slot, -1, status=RowStatus.FAILED, error=d.error)

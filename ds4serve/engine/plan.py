@@ -31,6 +31,14 @@ class DecodeRow:
     position: int
     token: int
     sampler: Any = field(default=None, compare=False)  # the request's SamplerState (engine advances its RNG)
+    # speculative decoding: tokens a drafter proposes after ``token`` (fed at ``position + 1 ...``); the
+    # engine verifies them in this step and reports the accepted prefix (``SampledToken.accepted``)
+    draft: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        """Rows this decoder feeds: its token and its draft."""
+        return 1 + len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,8 @@ class StepPlan:
 
     def row_layers(self, num_layers: int) -> int:
         """Cost of the plan in the step budget's unit."""
-        return len(self.decodes) * num_layers + sum(p.rows * (p.layer_stop - p.layer_start) for p in self.passes)
+        passes = sum(p.rows * (p.layer_stop - p.layer_start) for p in self.passes)
+        return sum(d.rows for d in self.decodes) * num_layers + passes
 
 
 class RowStatus(str, Enum):
@@ -108,6 +117,10 @@ class SampledToken:
     logprob: float | None = None  # log-probability of ``token`` under the raw model distribution
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token, logprob), best first
     error: str | None = None
+    # speculative decoding: the drafted tokens the target accepted, committed before ``token`` (which is
+    # then the target's own sample at the first rejected or the bonus row), with their logprobs
+    accepted: tuple[int, ...] = ()
+    accepted_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,6 +213,7 @@ def validate_step_result(plan: StepPlan, result: StepResult, num_layers: int) ->
     if result.status is StepStatus.FAILED:
         return "" if result.tokens == () else "a failed step must not report tokens"
     expected: dict[int, str] = {row.slot: row.request_id for row in plan.decodes}
+    drafts = {row.slot: row.draft for row in plan.decodes}
     for p in plan.passes:
         if p.layer_stop == num_layers:
             expected.update({m.slot: m.request_id for m in p.members if m.sample})
@@ -213,6 +227,8 @@ def validate_step_result(plan: StepPlan, result: StepResult, num_layers: int) ->
             return f"slot {tok.slot}: token for {tok.request_id}, planned {expected[tok.slot]}"
         if tok.status is RowStatus.OK and tok.token < 0:
             return f"slot {tok.slot}: invalid token id {tok.token}"
+        if tok.accepted and tok.accepted != drafts.get(tok.slot, ())[:len(tok.accepted)]:
+            return f"slot {tok.slot}: accepted {list(tok.accepted)} is not a prefix of its draft"
         got[tok.slot] = tok.request_id
     missing = [f"{rid} (slot {s})" for s, rid in expected.items() if s not in got]
     if missing:

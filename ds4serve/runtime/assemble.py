@@ -38,6 +38,7 @@ from .core import EngineCore
 from .parallel import ParallelGroup, ParallelSettings, start_group
 from .parts import EngineParts
 from .sizing import Resolved, resolve
+from .speculation import draft_policy
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,21 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
     phases = dict(startup or {})
     parts = build_parts(cfg, model, s, torch.device(device), dtype, eos_ids, engine_factory, parallel)
     limits = scheduler_limits(cfg, s, parts.resolved)
+    drafting = draft_policy(cfg, s.speculative, parts.cache, 1 if parallel is None else 2)
     phases["engine"] = time.perf_counter() - t0
     try:
         if s.warmup:
             phases.update(warm_up(parts))
-            if s.max_stall and engine_factory is None:
+            if (s.max_stall or drafting is not None) and engine_factory is None:  # drafts weigh the costs too
                 t1 = time.perf_counter()
-                limits = dataclasses.replace(limits, prefill_tokens_at=calibrate(parts, s.max_stall))
+                table, costs = calibrate(parts, s.max_stall)
+                limits = dataclasses.replace(limits, prefill_tokens_at=table, step_costs=costs)
                 phases["calibration"] = time.perf_counter() - t1
     except BaseException:
         if parts.encoder is not None:  # the worker thread; a group is the caller's to close
             parts.encoder.shutdown()
         raise
-    return EngineCore(parts, limits, phases)
+    return EngineCore(parts, limits, phases, drafting)
 
 
 def build_parts(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings, device: torch.device,

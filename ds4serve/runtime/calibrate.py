@@ -103,9 +103,11 @@ def budget_table(a: float, b: float, c: float, max_stall: float, n_max: int, min
     return tuple(out)
 
 
-def calibrate(parts: EngineParts, max_stall: float) -> tuple[int, ...]:
+def calibrate(parts: EngineParts, max_stall: float) -> tuple[tuple[int, ...], tuple[float, float, float]]:
     """Measure the step costs on scratch slots of the assembled parts (before any core exists) and
-    return the prefill-token table (``SchedulerLimits.prefill_tokens_at``)."""
+    return the prefill-token table (``SchedulerLimits.prefill_tokens_at``; empty when ``max_stall`` is 0,
+    the token budget alone) and the fitted costs ``(a, b, c)`` in seconds (``SchedulerLimits.step_costs``:
+    speculative drafting weighs a draft row's cost ``c`` against what its acceptance saves)."""
     t0 = time.perf_counter()
     n_big = max(1, min(parts.resolved.max_seqs, 16, parts.cache.free_slots,
                        parts.cache.free_pages // max(1, parts.cache.layout.pages_for(probe_position(parts) + 2))))
@@ -118,6 +120,10 @@ def calibrate(parts: EngineParts, max_stall: float) -> tuple[int, ...]:
     a = max(1e-6, t1 - b)
     c = max(1e-9, (tp - t1) / (probe - 1))
     lim = parts.settings
+    if not max_stall:
+        log.info("step costs measured in %.2f s: decode %.1f ms (1 row) / %.1f ms (%d rows), prefill %.3f ms per "
+                 "token", time.perf_counter() - t0, 1000 * t1, 1000 * tn, n_big, 1000 * c)
+        return (), (a, b, c)
     table = budget_table(a, b, c, max_stall, parts.resolved.max_seqs, lim.min_prefill_tokens, lim.step_tokens)
     show = sorted({1, min(4, len(table) - 1), len(table) - 1})
     log.info("step budget calibrated in %.2f s: decode at position %d %.1f ms (1 row) / %.1f ms (%d rows), "
@@ -125,4 +131,4 @@ def calibrate(parts: EngineParts, max_stall: float) -> tuple[int, ...]:
              "<= %.1fx its decoders' step; step_tokens %d caps it)", time.perf_counter() - t0, pos, 1000 * t1,
              1000 * tn, n_big, 1000 * c,
              "/".join(map(str, show)), "/".join(str(table[n]) for n in show), max_stall, lim.step_tokens)
-    return table
+    return table, (a, b, c)

@@ -26,6 +26,7 @@ from ..engine.sampling import SamplingParams
 from ..multimodal.layout import TokenType
 from ..multimodal.records import ImageInput
 from ..scheduler.admission import fit_problem
+from ..scheduler.drafting import DraftPolicy
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
 from .parts import EngineParts
@@ -43,15 +44,17 @@ class FatalStepError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, parts: EngineParts, limits: SchedulerLimits, startup: Mapping[str, float] | None = None):
+    def __init__(self, parts: EngineParts, limits: SchedulerLimits, startup: Mapping[str, float] | None = None,
+                 drafting: DraftPolicy | None = None):
         """``parts``: built, warmed up and calibrated by ``assemble``; ``limits``: final (calibrated);
-        ``startup``: seconds per start-up phase so far (see ``describe_startup``)."""
+        ``startup``: seconds per start-up phase so far (see ``describe_startup``); ``drafting``: the
+        speculative drafter (``runtime/speculation.py``), None for none."""
         self.cfg, self.settings, self.device = parts.cfg, parts.settings, parts.device
         self.resolved: Resolved = parts.resolved
         self.cache, self.engine, self.encoder = parts.cache, parts.engine, parts.encoder
         self.parallel, self.eos_ids = parts.parallel, parts.eos_ids
         self.limits = limits
-        self.scheduler = Scheduler(limits, self.cache, self.encoder)
+        self.scheduler = Scheduler(limits, self.cache, self.encoder, drafting)
         self.startup: dict[str, float] = dict(startup or {})
         self.image_slot_id = self.cfg.vocab_size + int(TokenType.IMAGE) if self.cfg.vision.enabled else None
         self.broken: str | None = None
@@ -173,7 +176,8 @@ class EngineCore:
             slots_in_use=cache.n_slots - cache.free_slots, slots_total=cache.n_slots,
             pages_in_use=cache.state.pages.used_pages, pages_total=cache.state.n_pages, host_used=cache.host_used,
             prefix=frozen(self.prefix_stats()), steps=tally.steps, decode_steps=tally.decode_steps,
-            decode_rows=tally.decode_rows, prefill_rows=tally.prefill_rows, decode_width=tally.width)
+            decode_rows=tally.decode_rows, prefill_rows=tally.prefill_rows, decode_width=tally.width,
+            speculation=frozen(self.scheduler.spec))
 
     def leaks(self) -> str:
         """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""

@@ -39,7 +39,8 @@ class EngineStats:
     ``_fail``, ``rejected``, ``completed``, ``aborted``, ...); ``prefix``: the prefix cache's figures
     (``enabled``, ``hits``, ``misses``, ``hit_tokens``, ``queried_tokens``, ``stored``, ``evictions``,
     ``snapshots``, ``cached_pages``, ``cached_bytes``, ``budget_bytes``; all 0 when caching is off);
-    ``speculation``: speculative decoding's figures, reserved (empty until it lands).
+    ``speculation``: speculative decoding's counts (``Scheduler.spec``: verify steps, drafted and accepted
+    tokens, and per draft position ``drafted_at_i`` / ``accepted_at_i``); empty while nothing was drafted.
     """
 
     requests: Mapping[str, int]

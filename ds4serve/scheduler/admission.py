@@ -36,6 +36,9 @@ class SchedulerLimits:
     # token budget, step_tokens - n
     prefill_tokens_at: tuple[int, ...] = ()
     prefix_interval: int = 256  # prefix-cache snapshot every this many input tokens (when caching is on)
+    # fitted step costs (a, b, c) in seconds: step(n decode rows, P prefill rows) = a + b n + c P
+    # (runtime/calibrate.py); empty when not measured (warm-up off)
+    step_costs: tuple[float, ...] = ()
 
     def prefill_tokens(self, n_decoders: int) -> int:
         """Prefill tokens a step may carry beside ``n_decoders`` (before the progress floor)."""

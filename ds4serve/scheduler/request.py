@@ -77,6 +77,10 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission
     first_image: int = 0  # images before this index lie under that hit: never sent to the encoder
     prefix: Any = None  # the scheduler's prefix-cache bookkeeping (scheduler.reuse.PrefixState)
+    # speculative decoding (scheduler.drafting): an average of the share of its drafts accepted, and counts
+    draft_rate: float = 1.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:

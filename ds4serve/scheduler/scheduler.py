@@ -22,12 +22,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 
 from ..cache.manager import CacheManager
 from ..engine.encoder import EncoderWorker, ImageState
 from ..multimodal.chunking import next_chunk
-from ..engine.plan import DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult, StepStatus
+from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
+                           StepStatus)
+from .drafting import DraftPolicy, record
 from .admission import QueueFull, RequestTooLarge, SchedulerLimits, fit_problem
 from .isolation import Quarantine
 from .passes import PassTable
@@ -41,8 +43,10 @@ __all__ = ["QueueFull", "RequestTooLarge", "Scheduler", "SchedulerLimits"]  # re
 
 
 class Scheduler(MemoryPressure):
-    def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder: EncoderWorker | None = None):
+    def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder: EncoderWorker | None = None,
+                 drafting: DraftPolicy | None = None):
         self.limits = limits
+        self.drafting = drafting  # speculative decoding's drafter and limits; None: no drafts
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
@@ -60,6 +64,7 @@ class Scheduler(MemoryPressure):
                       "step_failures": 0, "recomputed_after_failure": 0, "isolated_failures": 0,
                       "refused_before_compute": 0}
         self._page_starved = False  # set by planning when a prefill chunk could not get its pages
+        self.spec: Counter[str] = Counter()  # drafted / accepted tokens, in total and per draft position
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -147,7 +152,7 @@ class Scheduler(MemoryPressure):
         while True:
             self._page_starved = False
             decodes = self._plan_decodes(lane)
-            passes = self._plan_prefill(len(decodes), lane)
+            passes = self._plan_prefill(sum(d.rows for d in decodes), lane)
             holders = self._lane(lane)
             if decodes or passes or not self._page_starved:
                 return decodes, passes
@@ -183,18 +188,28 @@ class Scheduler(MemoryPressure):
     def _plan_decodes(self, lane: int | None) -> list[DecodeRow]:
         while True:
             decoders = [r for r in self._lane(lane) if r.status is RequestStatus.DECODING]
-            growth = {r.slot: r.computed + 1 for r in decoders}
+            drafts = self._drafts(decoders)
+            growth = {r.slot: r.computed + 1 + len(drafts.get(r.request_id, ())) for r in decoders}
+            if drafts and not self.cache.reserve(growth):  # no pages for the drafts: decode without them
+                drafts, growth = {}, {r.slot: r.computed + 1 for r in decoders}
             if self.cache.reserve(growth):
                 break
             if not self._preempt():
                 break
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
-                          r.sampler) for r in decoders]
+                          r.sampler, drafts.get(r.request_id, ())) for r in decoders]
 
-    def _plan_prefill(self, n_decoders: int, lane: int | None = None) -> list[PassSlice]:
+    def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
+        """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
+        if self.drafting is None or not decoders:
+            return {}
+        return self.drafting.plan(decoders, self.limits)
+
+    def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
+        """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
         L = self.limits.num_layers
-        idle = n_decoders == 0
-        budget = max(0, self.limits.prefill_tokens(n_decoders) * L)
+        idle = decode_rows == 0
+        budget = max(0, self.limits.prefill_tokens(decode_rows) * L)
         floor = self.limits.min_prefill_tokens * L  # progress guaranteed even under a full decode budget
         slices = []
         for p in self.passes.in_flight(lane):
@@ -283,15 +298,22 @@ class Scheduler(MemoryPressure):
         if result.status is StepStatus.FAILED:
             self._undo_failed_step(plan, result.error or "unknown error")
             return self.take_outputs()
-        for d in plan.decodes:
-            self.requests[d.request_id].computed += 1
+        accepted = {t.slot: len(t.accepted) for t in result.tokens}
+        for d in plan.decodes:  # its token and the accepted part of its draft are in the cache now
+            req = self.requests[d.request_id]
+            req.computed += 1 + accepted.get(d.slot, 0)
+            if d.draft:
+                self._count_draft(req, d.draft, accepted.get(d.slot, 0))
         advanced = [r for p in plan.passes for r in self._advance_pass(p)]
         for tok in result.tokens:
             req = self.requests[tok.request_id]
             if tok.status is RowStatus.FAILED:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
-            else:
-                self._accept(req, tok)
+                continue
+            for t, lp in zip(tok.accepted, tok.accepted_logprobs):  # a stop inside the run ends it there
+                self._accept(req, SampledToken(tok.request_id, tok.slot, t, logprob=lp[0] if lp else None,
+                                               top_logprobs=lp[1] if lp else None))
+            self._accept(req, tok)
         for req in advanced:
             if not req.status.finished:  # finished ones were snapshotted (or not, on errors) by _finish
                 self.reuse.after_prefill(req)
@@ -370,6 +392,14 @@ class Scheduler(MemoryPressure):
             if not req.status.finished and req.pending == 1 and not m.sample:
                 req.status = RequestStatus.DECODING
         return done
+
+    def _count_draft(self, req: Request, draft: tuple[int, ...], accepted: int) -> None:
+        """Acceptance figures: the request's own rate (its next draft lengths) and the step totals."""
+        record(req, len(draft), accepted)
+        self.spec["verify_steps"] += 1
+        self.spec["drafted_tokens"] += len(draft)
+        self.spec["accepted_tokens"] += accepted
+        self.spec.update([f"accepted_at_{i}" for i in range(accepted)] + [f"drafted_at_{i}" for i in range(len(draft))])
 
     def _accept(self, req: Request, tok) -> None:
         if req.status.finished:

@@ -92,6 +92,26 @@ class _EngineCollector:
             c.add_metric(m, figure(s))
             yield c
         yield from self._prefix(s.prefix)
+        yield from self._speculation(s.speculation)
+
+    def _speculation(self, sp):
+        """Speculative decoding, with vLLM's names (``spec_decode_num_*``) under our prefix; per draft
+        position, drafted and accepted counts (their ratio is the acceptance at that position)."""
+        m = [self.model_name]
+        for name, doc, key in (("ds4serve_spec_decode_num_drafts", "verify steps that carried a draft", "verify_steps"),
+                               ("ds4serve_spec_decode_num_draft_tokens", "drafted tokens verified", "drafted_tokens"),
+                               ("ds4serve_spec_decode_num_accepted_tokens", "drafted tokens accepted",
+                                "accepted_tokens")):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(m, sp.get(key, 0))
+            yield c
+        for what in ("drafted", "accepted"):
+            c = CounterMetricFamily(f"ds4serve_spec_decode_num_{what}_tokens_per_pos",
+                                    f"drafted tokens {what} at each draft position", labels=["model_name", "position"])
+            for key, n in sorted(sp.items()):
+                if key.startswith(f"{what}_at_"):
+                    c.add_metric([*m, key.rsplit("_", 1)[1]], n)
+            yield c
 
     def _prefix(self, p):
         """The prefix-cache series; a key the core does not report reads 0 (a scrape never fails)."""

@@ -1,0 +1,89 @@
+"""Which decoders carry a draft this step, and how long (speculative decoding, issue 28).
+
+A draft row costs what a prefill row costs (``c`` of the start-up fit ``step = a + b n + c P``,
+``runtime/calibrate.py``). A request drafts only while its acceptance rate pays for its rows beside the
+step's ``n`` decoders (``worth``: ``rate > c n / (a + b n)``), so drafting turns itself down as the batch
+fills and a loaded server is not slower for it; and all drafts together take at most ``share`` of the
+rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``, the rest stays with
+prefill progress). Requests whose drafts were accepted most often go first, and each drafts
+``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own acceptance
+(starting at 1, as a new request has no history).
+
+Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts:
+no penalties (they read the history the draft extends), no grammar (its state would have to follow the
+draft), ``min_tokens`` reached (bans change with the count). Their drafts are verified exactly
+(``engine.drafted``); everybody else decodes normally beside them. A draft never holds an image sentinel
+id (proposals copied from a prompt's image block end before it): image blocks come only from prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..engine.drafted import draftable
+from ..engine.ngram import propose
+from .admission import SchedulerLimits
+from .request import Request
+
+RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (one verify step = one sample)
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """The drafter and its limits: ``k`` tokens at most a step; n-gram suffixes ``min_n .. max_n`` looked
+    up in the last ``window`` tokens; ``max_rows`` the longest draft the cache can undo (``max_draft``)."""
+
+    k: int
+    min_n: int
+    max_n: int
+    window: int
+    max_rows: int
+    vocab_size: int  # ids from here on are image sentinels (DS4V): never drafted, a draft ends before one
+    share: float = 0.5  # of the step's calibrated spare rows
+
+    def plan(self, decoders: Sequence[Request], limits: SchedulerLimits) -> dict[str, tuple[int, ...]]:
+        """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
+        requests whose acceptance rate pays for their rows (``worth``)."""
+        budget = int(limits.prefill_tokens(len(decoders)) * self.share)
+        floor = worth(len(decoders), limits.step_costs)
+        out: dict[str, tuple[int, ...]] = {}
+        for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
+            if budget <= 0 or req.draft_rate <= floor:
+                break
+            n = min(self._length(req, limits.max_model_len), budget)
+            if n <= 0 or not draftable(req.sampler):
+                continue
+            draft = propose(req.prompt_ids + req.output_ids, n, self.min_n, self.max_n, self.window)
+            draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
+            if draft:
+                out[req.request_id] = draft
+                budget -= len(draft)
+        return out
+
+    def _length(self, req: Request, max_model_len: int) -> int:
+        """The longest draft worth verifying for ``req``: its rate's share of ``k``, within what it may
+        still generate (the verified token after the draft counts too) and what the cache can undo."""
+        want = max(1, math.ceil(self.k * req.draft_rate))
+        room = min(req.params.max_tokens - len(req.output_ids), max_model_len - req.total_len) - 1
+        return max(0, min(want, room, self.max_rows))
+
+
+def worth(n: int, costs: Sequence[float]) -> float:
+    """The acceptance rate a draft must beat beside ``n`` decoders: a step of ``n`` rows costs ``a + b n``
+    and yields ``n`` tokens; ``D`` draft rows add ``c D`` and yield ``r D`` more, which pays when
+    ``r > c n / (a + b n)`` (the fitted costs of ``runtime/calibrate.py``). Near 0 for one stream, where
+    the step's fixed cost dominates; it rises with ``n`` as rows dominate, and turns drafting off once
+    no rate can pay. Without measured costs (warm-up off): 0, the token budget alone decides."""
+    if len(costs) != 3:
+        return 0.0
+    a, b, c = costs
+    return c * n / (a + b * n)
+
+
+def record(req: Request, drafted: int, accepted: int) -> None:
+    """Fold one verify step into ``req``'s acceptance rate and counts."""
+    req.drafted_tokens += drafted
+    req.accepted_tokens += accepted
+    req.draft_rate = RATE_DECAY * req.draft_rate + (1 - RATE_DECAY) * (accepted / drafted)

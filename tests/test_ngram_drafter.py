@@ -1,0 +1,105 @@
+"""n-gram (prompt lookup) drafting (issue 28 item 1) and its acceptance history (item 3).
+
+An oracle in plain loops written from the rule (most recent earlier occurrence of the longest suffix
+of length max_n..min_n within the window, the up to k tokens after it), and hypothesis properties
+that each say one part of the rule on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds4serve.engine.ngram import propose
+
+
+def oracle(tokens: list[int], k: int, min_n: int, max_n: int, window: int) -> tuple[int, ...]:
+    """The rule, literally: the window, then n from max_n down, then start positions from the latest."""
+    h = tokens[max(0, len(tokens) - window):]
+    for n in range(max_n, min_n - 1, -1):
+        suffix = h[len(h) - n:] if n <= len(h) else None
+        for s in range(len(h) - n - 1, -1, -1):  # an earlier start than the suffix's own
+            if h[s:s + n] == suffix:
+                return tuple(h[s + n:s + n + k])
+    return ()
+
+
+# small alphabets make repeats (and so matches) common
+sequences = st.lists(st.integers(0, 3), max_size=60)
+settings_ = dict(max_examples=300, deadline=None)
+
+
+@st.composite
+def cases(draw):
+    tokens = draw(sequences)
+    min_n = draw(st.integers(1, 4))
+    max_n = draw(st.integers(min_n, 6))
+    return tokens, draw(st.integers(0, 7)), min_n, max_n, draw(st.integers(1, 70))
+
+
+def _occurrences(h: list[int], n: int) -> list[int]:
+    """Starts s < len(h) - n with h[s:s+n] equal to the last n tokens."""
+    return [s for s in range(len(h) - n) if h[s:s + n] == h[len(h) - n:]]
+
+
+@given(cases())
+@settings(**settings_)
+def test_matches_the_oracle(case):
+    tokens, k, min_n, max_n, window = case
+    assert propose(tokens, k, min_n, max_n, window) == oracle(tokens, k, min_n, max_n, window)
+    assert propose(np.array(tokens, dtype=np.int32), k, min_n, max_n, window) == oracle(tokens, k, min_n, max_n, window)
+
+
+@given(cases())
+@settings(**settings_)
+def test_a_proposal_follows_an_earlier_occurrence_of_the_suffix(case):
+    tokens, k, min_n, max_n, window = case
+    got = propose(tokens, k, min_n, max_n, window)
+    assert len(got) <= k
+    if not got:
+        return
+    h = tokens[-window:]
+    follows = [n for n in range(min_n, max_n + 1) for s in _occurrences(h, n) if tuple(h[s + n:s + n + k]) == got]
+    assert follows, "the proposal is not what follows any occurrence of a suffix"
+
+
+@given(cases())
+@settings(**settings_)
+def test_the_longest_then_the_most_recent_occurrence_wins(case):
+    tokens, k, min_n, max_n, window = case
+    got = propose(tokens, k, min_n, max_n, window)
+    h = tokens[-window:]
+    lengths = [n for n in range(min_n, max_n + 1) if _occurrences(h, n)]
+    if k == 0 or not lengths:
+        assert got == ()  # empty when nothing matches (or nothing is wanted)
+        return
+    n = max(lengths)
+    latest = max(_occurrences(h, n))
+    assert got == tuple(h[latest + n:latest + n + k])
+    assert len(got) == min(k, len(h) - latest - n)  # as many as followed, up to k
+
+
+@given(cases(), st.lists(st.integers(0, 3), min_size=1, max_size=20))
+@settings(**settings_)
+def test_never_proposes_from_beyond_the_window(case, earlier):
+    """Tokens before the window change nothing, and every proposed token sits inside the window."""
+    tokens, k, min_n, max_n, window = case
+    got = propose(tokens, k, min_n, max_n, window)
+    if len(tokens) >= window:
+        assert propose(earlier + tokens, k, min_n, max_n, window) == got
+    assert got == propose(tokens[-window:], k, min_n, max_n, len(tokens) + 1)
+
+
+def test_examples():
+    assert propose([1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2, 3], 3, 1, 3) == (9, 9, 1)  # latest "1 2 3"
+    assert propose([7, 1, 2, 8, 5, 2, 6, 1, 2], 2, 1, 2) == (8, 5)  # "1 2" beats the later "2"
+    assert propose([7, 1, 2, 8, 5, 2, 6, 1, 2], 2, 1, 1) == (6, 1)  # max_n 1: the latest "2"
+    assert propose([1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2, 3], 3, 1, 3, window=5) == ()
+    assert propose([5, 5, 5, 5], 4, 1, 3) == (5,)  # the latest occurrence overlaps the suffix
+    assert propose([], 3, 1, 3) == () and propose([4], 3, 1, 1) == ()
+    with pytest.raises(ValueError):
+        propose([1, 2], 3, 0, 2)
+    with pytest.raises(ValueError):
+        propose([1, 2], 3, 3, 2)

@@ -1,0 +1,183 @@
+"""Speculative decoding (issue 28): drafts verified inside the batched step, the rejected tail undone.
+
+The rollback oracle drives the engine directly: two slots hold the same prompt; one decodes plainly, the
+other verifies drafts whose tail is wrong. After every step the second slot's rings must equal the
+first's (bit for bit on the native forward, whose rows are computed each on its own) and its later
+tokens and logprobs must be the first's. Then the whole path through the scheduler: greedy output with
+n-gram drafts equals plain decoding, alone and in a staggered batch of 16, on both forwards.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds4serve.config import ConfigError
+from ds4serve.engine.plan import DecodeRow, PassMember, PassSlice, StepPlan
+from ds4serve.engine.sampling import SamplerState, SamplingParams
+from model_helpers import feed, random_ids
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+
+
+class _Slot:
+    """One sequence driven by hand: its slot, committed length, last token and sampler."""
+
+    def __init__(self, core, name: str, prompt: list[int]):
+        self.core, self.name, self.prompt = core, name, prompt
+        self.slot = core.cache.alloc_slot()
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.sampler = SamplerState(SamplingParams(max_tokens=64, temperature=0.0, logprobs=0), prompt, self.out)
+        self.computed = 0
+
+    def reserve(self, rows: int) -> None:
+        assert self.core.cache.reserve({self.slot: self.computed + rows})
+
+
+def _step(core, step_id: int, decodes=(), passes=()):
+    result = core.engine.step(StepPlan(step_id, tuple(decodes), tuple(passes)))
+    assert result.error is None, result.error
+    return {t.slot: t for t in result.tokens}
+
+
+def _rings(core, slot: int) -> list[torch.Tensor]:
+    """Every ring row of ``slot`` (sliding window, compressor and indexer rings), layer by layer."""
+    out = []
+    n = core.cache.n_slots
+    for st in core.cache.state.layers:
+        for ring in (st.swa, st.comp_ring, st.idx_ring):
+            if ring is not None:
+                per = ring.shape[0] // n
+                out.append(ring[slot * per:(slot + 1) * per].clone())
+    return out
+
+
+def _commit(s: _Slot, tok, fed: int) -> None:
+    s.computed += fed + len(tok.accepted)
+    for t, lp in zip(tok.accepted, tok.accepted_logprobs):
+        s.out.append(t)
+        s.logprobs.append(lp[0])
+    s.out.append(tok.token)
+    s.logprobs.append(tok.logprob)
+
+
+def _prefill(core, s: _Slot) -> None:
+    s.reserve(len(s.prompt))
+    member = PassMember(s.name, s.slot, 0, tuple(s.prompt), True, s.sampler)
+    _commit(s, _step(core, 1, passes=[PassSlice(s.slot + 1, 0, core.cfg.num_layers, (member,))])[s.slot],
+            len(s.prompt))
+
+
+def test_rollback_oracle_rejected_tails_leave_no_trace(llm_factory, host_kernels):
+    """Decode a wrong tail, roll it back, go on with the true one: rings, tokens and logprobs equal a run
+    that never drafted. The prompt ends mid compression group and the drafts cross group and ring
+    boundaries (window 32, CSA span 8, HCA span 16), so the overlap half and completed rows are covered."""
+    core = llm_factory("A", max_seqs=2, host_kernels=host_kernels, enable_prefix_caching=False).core
+    prompt = random_ids(45, 1000, seed=3)
+    ref, spec = _Slot(core, "plain", prompt), _Slot(core, "spec", prompt)
+    _prefill(core, ref)
+    rings = {ref.computed: _rings(core, ref.slot)}
+    for step in range(2, 50):  # the reference: plain decoding, its rings kept at every length
+        ref.reserve(1)
+        _commit(ref, _step(core, step, decodes=[DecodeRow("r", ref.slot, ref.computed, ref.out[-1],
+                                                          ref.sampler)])[ref.slot], 1)
+        rings[ref.computed] = _rings(core, ref.slot)
+    _prefill(core, spec)
+    exact = host_kernels == "on"
+    accepted, rejected, step = 0, 0, 100
+    while len(spec.out) + 6 < len(ref.out):
+        k = len(spec.out)  # the reference's next tokens: the true ones drafted first, then a wrong tail
+        n_true = step % 4
+        draft = tuple(ref.out[k:k + n_true] + [(t + 1) % 1000 for t in ref.out[k + n_true:k + 5]])[:1 + step % 5]
+        spec.reserve(1 + len(draft))
+        tok = _step(core, step, decodes=[DecodeRow("s", spec.slot, spec.computed, spec.out[-1], spec.sampler,
+                                                   draft)])[spec.slot]
+        _commit(spec, tok, 1)
+        accepted += len(tok.accepted)
+        rejected += len(draft) - len(tok.accepted)
+        assert spec.out == ref.out[:len(spec.out)], step
+        for a, b in zip(rings[spec.computed], _rings(core, spec.slot)):
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-5), step
+        step += 1
+    assert accepted > 10 and rejected > 10, (accepted, rejected)
+    if exact:
+        assert spec.logprobs == ref.logprobs[:len(spec.logprobs)]
+    else:
+        assert spec.logprobs == pytest.approx(ref.logprobs[:len(spec.logprobs)], abs=1e-5)
+    for s in (ref, spec):
+        core.cache.drop(s.slot)
+
+
+def _flat(x) -> list[float]:
+    """Every number of a nested tuple of logprobs, in order (token ids included, as floats)."""
+    if isinstance(x, (tuple, list)):
+        return [v for item in x for v in _flat(item)]
+    return [] if x is None else [float(x)]
+
+
+def _repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats a short random phrase with variations: n-gram lookups find matches."""
+    phrase = random_ids(7, 1000, seed=seed)
+    out = []
+    while len(out) < n:
+        out += phrase + random_ids(2, 1000, seed=seed + len(out))
+    return out[:n]
+
+
+def _sampling(mode: str, i: int) -> SamplingParams:
+    if mode == "greedy":
+        return SamplingParams(max_tokens=40 + i, temperature=0.0, ignore_eos=True, logprobs=2)
+    if mode == "seeded":
+        return SamplingParams(max_tokens=40 + i, temperature=0.3, top_p=0.9, seed=77 + i, ignore_eos=True)
+    return SamplingParams(max_tokens=40 + i, temperature=0.0, repetition_penalty=1.05, frequency_penalty=0.1,
+                          min_tokens=10, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "penalised"])
+@pytest.mark.parametrize("n_prompts", [1, 16])
+def test_ngram_drafts_commit_what_plain_decoding_commits(n_prompts, mode, llm_factory, host_kernels):
+    """Token for token (and logprob for logprob), alone and in a staggered batch of 16 (arrivals every 2
+    steps), with drafts verified and both accepted and rejected along the way: greedy, seeded sampling
+    (point-mass drafts are verified by plain decoding's own draw, so the stream is the same) and with
+    penalties and min_tokens (each row sees the history the draft extends)."""
+    prompts = [_repetitive(20 + 13 * i, seed=i) for i in range(n_prompts)]
+    params = [_sampling(mode, i) for i in range(n_prompts)]
+    plain = llm_factory("A", max_seqs=16, host_kernels=host_kernels)
+    spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM)
+    outs = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        reqs = [llm.core.make_request(p, q) for p, q in zip(prompts, params)]
+        feed(llm.core, reqs, 2)
+        assert llm.core.leaks() == "", llm.core.leaks()
+        outs[name] = [(list(r.output_ids), r.output_logprobs) for r in reqs]
+    for got, want in zip(outs["spec"], outs["plain"]):
+        assert got[0] == want[0]
+        assert got[1] == want[1] if host_kernels == "on" else _flat(got[1]) == pytest.approx(_flat(want[1]), abs=1e-5)
+    figures = spec.core.scheduler.spec
+    assert figures["drafted_tokens"] > 0 and 0 < figures["accepted_tokens"] < figures["drafted_tokens"], figures
+
+
+def test_metrics_report_drafts_with_vllm_names(llm_factory):
+    """The server's /metrics series come from the core's stats snapshot: totals and per position."""
+    from ds4serve.server.metrics import Metrics
+
+    llm = llm_factory("A", max_seqs=4, host_kernels="on", speculative=NGRAM)
+    llm.generate([_repetitive(40, seed=9)], max_tokens=30, temperature=0.0, ignore_eos=True)
+    figures = dict(llm.core.stats.speculation)
+    metrics = Metrics("m")
+    metrics.read_engine(lambda: llm.core.stats)
+    text = metrics.render().decode()
+    assert figures["drafted_tokens"] > 0
+    assert f'ds4serve_spec_decode_num_draft_tokens_total{{model_name="m"}} {figures["drafted_tokens"]:.1f}' in text
+    assert f'ds4serve_spec_decode_num_accepted_tokens_total{{model_name="m"}} {figures["accepted_tokens"]:.1f}' in text
+    assert (f'ds4serve_spec_decode_num_drafted_tokens_per_pos_total{{model_name="m",position="0"}} '
+            f'{figures["drafted_at_0"]:.1f}') in text
+
+
+def test_methods_this_build_cannot_run_are_refused(llm_factory):
+    for method in ("dspark", "mtp"):
+        with pytest.raises(ConfigError, match="not run by this build"):
+            llm_factory("A", speculative=json.dumps({"method": method}))
