@@ -146,7 +146,9 @@ def test_ngram_drafts_commit_what_plain_decoding_commits(n_prompts, mode, llm_fa
     prompts = [_repetitive(20 + 13 * i, seed=i) for i in range(n_prompts)]
     params = [_sampling(mode, i) for i in range(n_prompts)]
     plain = llm_factory("A", max_seqs=16, host_kernels=host_kernels)
-    spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM)
+    # warm-up off: no measured step costs, so the token budget alone decides who drafts (the cost rule,
+    # tested below, may turn drafting off on a build or a machine where draft rows are dear)
+    spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM, warmup=False)
     outs = {}
     for name, llm in (("plain", plain), ("spec", spec)):
         reqs = [llm.core.make_request(p, q) for p, q in zip(prompts, params)]
@@ -164,8 +166,9 @@ def test_metrics_report_drafts_with_vllm_names(llm_factory):
     """The server's /metrics series come from the core's stats snapshot: totals and per position."""
     from ds4serve.server.metrics import Metrics
 
-    llm = llm_factory("A", max_seqs=4, host_kernels="on", speculative=NGRAM)
-    llm.generate([_repetitive(40, seed=9)], max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = llm_factory("A", max_seqs=4, host_kernels="on", speculative=NGRAM, warmup=False)
+    llm.generate([_repetitive(20 + 13 * i, seed=i) for i in range(8)], max_tokens=40, temperature=0.0,
+                 ignore_eos=True)
     figures = dict(llm.core.stats.speculation)
     metrics = Metrics("m")
     metrics.read_engine(lambda: llm.core.stats)
@@ -175,6 +178,46 @@ def test_metrics_report_drafts_with_vllm_names(llm_factory):
     assert f'ds4serve_spec_decode_num_accepted_tokens_total{{model_name="m"}} {figures["accepted_tokens"]:.1f}' in text
     assert (f'ds4serve_spec_decode_num_drafted_tokens_per_pos_total{{model_name="m",position="0"}} '
             f'{figures["drafted_at_0"]:.1f}') in text
+
+
+def test_drafting_turns_down_as_the_batch_fills():
+    """The cost rule: a draft must beat c n / (a + b n); a request whose rate is below it drafts nothing,
+    one above drafts within its share of the spare rows, and no costs (warm-up off) means no floor."""
+    from ds4serve.scheduler.admission import SchedulerLimits
+    from ds4serve.scheduler.drafting import DraftPolicy, worth
+    from ds4serve.scheduler.request import Request
+
+    costs = (4e-3, 1e-4, 1e-4)  # a step's fixed cost dominates one stream; rows dominate at 64
+    assert worth(1, costs) == pytest.approx(1e-4 / 4.1e-3)
+    assert worth(1, costs) < worth(16, costs) < worth(64, costs) < 1
+    assert worth(64, ()) == 0.0
+    policy = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
+    limits = SchedulerLimits(num_layers=2, max_model_len=512, step_tokens=256, max_prefill_tokens=64,
+                             min_prefill_tokens=16, prefill_mode="chunk", max_queue=8, step_costs=costs)
+
+    def decoders(n: int, rate: float) -> list[Request]:
+        out = []
+        for i in range(n):
+            r = Request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50, temperature=0.0))
+            r.output_ids.append(3)
+            r.draft_rate = rate
+            out.append(r)
+        return out
+
+    assert policy.plan(decoders(1, 0.3), limits) == {"r0": (1, 2)}  # ceil(4 * 0.3) = 2 tokens
+    assert policy.plan(decoders(64, 0.3), limits) == {}  # 0.3 < worth(64) = 0.62
+    many = policy.plan(decoders(64, 0.9), limits)  # above the floor, within half the spare rows
+    assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
+
+
+def test_the_step_contract_checks_an_accepted_run_against_its_draft():
+    from ds4serve.engine.plan import SampledToken, StepResult, validate_step_result
+
+    plan = StepPlan(3, (DecodeRow("r", 0, 10, 5, None, (7, 8, 9)),))
+    ok = StepResult(3, (SampledToken("r", 0, 4, accepted=(7, 8)),), ())
+    assert validate_step_result(plan, ok, 2) == ""
+    bad = StepResult(3, (SampledToken("r", 0, 4, accepted=(7, 9)),), ())
+    assert "not a prefix of its draft" in validate_step_result(plan, bad, 2)
 
 
 def test_methods_this_build_cannot_run_are_refused(llm_factory):
