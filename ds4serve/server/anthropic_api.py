@@ -17,12 +17,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
-from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from .access_log import record_of
 from .anthropic_convert import chat_request
 from .anthropic_errors import error_body
 from .anthropic_output import BlockWriter, message, sse, stop_reason, usage
@@ -31,9 +29,9 @@ from .frames import Event
 from .jobs import Job, build_chat, chat_messages, chat_setup_of, prompt_ids
 from .middleware import key_name_of
 from .protocol import APIError
-from .serving import Gone, admit, events, mark_cancelled
+from .serving import Gone, deadline_error, deadline_message, mark_cancelled, respond, watched
 from .state import ServerState, state_of
-from .watch import Outcome, disconnected, race
+from .watch import Outcome
 
 
 def _model_check(state: ServerState, model: str) -> None:
@@ -79,15 +77,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response | 
     chat = chat_request(body)
     with _our_terms():
         job = await build_chat(state, chat, f"msg_{uuid.uuid4().hex}", key_name_of(request))
-    job.record = record_of(request)
-    if job.record is not None:
-        job.record.completion_id = job.request_id
-    await admit(state, job)
-    gone = partial(disconnected, request)
-    if job.stream:
-        return StreamingResponse(_stream(state, job, gone), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(state, job, gone)
+    return await respond(state, job, request, _stream, _collect)
 
 
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
@@ -108,22 +98,17 @@ def _failure(ev: Event) -> APIError:
 
 async def _collect(state: ServerState, job: Job, gone: Gone) -> Response | dict:
     """The whole answer as one ``Message``; a disconnect is 499, the deadline a 504."""
-    timeout = state.limits.request_timeout_s
     writer, last = BlockWriter(), None
-    async with aclosing(events(state, job)) as evs, aclosing(race(evs, gone, job.arrival + timeout)) as items:
+    async with aclosing(watched(state, job, gone)) as items:
         async for item in items:
             if item is Outcome.DISCONNECT:
-                mark_cancelled(job, "client_disconnect")
                 return Response(status_code=499)
             if item is Outcome.TIMEOUT:
-                mark_cancelled(job, "timeout")
-                raise APIError(504, f"the request did not finish within {timeout:g} s", type_="server_error",
-                               code="timeout")
-            if isinstance(item, Event):
-                if item.finish_reason == "error":
-                    raise _failure(item)
-                writer.feed(item.deltas)
-                last = item if item.finish_reason else last
+                raise deadline_error(state)
+            if item.finish_reason == "error":
+                raise _failure(item)
+            writer.feed(item.deltas)
+            last = item if item.finish_reason else last
     writer.close()
     if last is None or last.usage is None:  # the engine always ends a choice with its finish; never hang on it
         raise APIError(500, "generation ended without a finish reason", type_="server_error",
@@ -174,20 +159,15 @@ class _Stream:
 
 async def _stream(state: ServerState, job: Job, gone: Gone) -> AsyncIterator[str]:
     """The stream, with ``ping`` keep-alives and the request deadline (an ``error`` event at it)."""
-    limits = state.limits
     frames = _Stream(job, state.model_id)
     finished = False
     try:
-        async with aclosing(events(state, job)) as evs, \
-                aclosing(race(evs, gone, job.arrival + limits.request_timeout_s, limits.keepalive_s)) as items:
+        async with aclosing(watched(state, job, gone, keepalive=True)) as items:
             async for item in items:
                 if item is Outcome.DISCONNECT:
-                    mark_cancelled(job, "client_disconnect")
                     return
                 if item is Outcome.TIMEOUT:
-                    mark_cancelled(job, "timeout")
-                    for frame in frames.error(APIError(504, f"the request did not finish within "
-                                                            f"{limits.request_timeout_s:g} s")):
+                    for frame in frames.error(APIError(504, deadline_message(state))):
                         yield frame
                 elif item is Outcome.KEEPALIVE:
                     for frame in frames.start(0) + [sse({"type": "ping"})]:

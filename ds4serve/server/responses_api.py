@@ -33,9 +33,9 @@ from .responses_events import ResponseBuilder
 from .responses_output import Echo, usage_of
 from .responses_protocol import ResponsesRequest
 from .responses_request import chat_request, responses_error
-from .serving import Gone, admit, events, mark_cancelled
+from .serving import Gone, admit, deadline_error, deadline_message, mark_cancelled, watched
 from .state import ServerState, state_of
-from .watch import Outcome, disconnected, race
+from .watch import Outcome, disconnected
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +93,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response 
 async def collect(state: ServerState, run: Run, gone: Gone | None = None) -> Response | dict:
     """The whole ``response`` as one body; a disconnect (499) or the deadline (504) cancels it, and a
     failed generation is a 5xx, as on the chat route."""
-    job, timeout = run.job, state.limits.request_timeout_s
-    async with aclosing(events(state, job)) as evs, aclosing(race(evs, gone, job.arrival + timeout)) as items:
+    async with aclosing(watched(state, run.job, gone)) as items:
         async for item in items:
             if item is Outcome.DISCONNECT:
-                mark_cancelled(job, "client_disconnect")
                 return Response(status_code=499)
             if item is Outcome.TIMEOUT:
-                mark_cancelled(job, "timeout")
-                raise APIError(504, f"the request did not finish within {timeout:g} s", type_="server_error",
-                               code="timeout")
-            if isinstance(item, Event):
-                run.feed(item)
+                raise deadline_error(state)
+            run.feed(item)
     if run.error is not None or run.final is None:
         message = run.error or "the generation ended without a finish reason"
         status = 503 if "shutting down" in message else 500
@@ -139,21 +134,17 @@ async def sse(state: ServerState, run: Run, gone: Gone | None = None) -> AsyncIt
 
 async def _pieces(state: ServerState, run: Run, gone: Gone | None) -> AsyncIterator[dict[str, Any] | str]:
     """The stream's events in order, and keep-alive comments (str) while nothing comes."""
-    job, limits = run.job, state.limits
     for ev in run.builder.start():
         yield ev
-    async with aclosing(events(state, job)) as evs, \
-            aclosing(race(evs, gone, job.arrival + limits.request_timeout_s, limits.keepalive_s)) as items:
+    async with aclosing(watched(state, run.job, gone, keepalive=True)) as items:
         async for item in items:
             if item is Outcome.DISCONNECT:
-                mark_cancelled(job, "client_disconnect")
                 return
             if item is Outcome.KEEPALIVE:
                 yield ": keep-alive\n\n"
                 continue
             if item is Outcome.TIMEOUT:
-                mark_cancelled(job, "timeout")
-                out = run.fail(f"the request did not finish within {limits.request_timeout_s:g} s", "timeout")
+                out = run.fail(deadline_message(state), "timeout")
             else:
                 out = run.feed(item)
             for ev in out:

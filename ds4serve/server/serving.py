@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from typing import Any
 from contextlib import aclosing
 from functools import partial
 
@@ -115,17 +116,23 @@ class ChoiceStream:
 
 
 # ---- the one entry from the routes ----------------------------------------------------------
-async def respond(state: ServerState, job: Job, request: Request) -> Response | dict:
-    """Admit the job (a refusal is an HTTP error before any stream opens), then answer it."""
+Answer = Callable[[ServerState, Job, Gone], Any]
+
+
+async def respond(state: ServerState, job: Job, request: Request, stream: Answer | None = None,
+                  whole: Answer | None = None) -> Response | dict:
+    """Admit the job (a refusal is an HTTP error before any stream opens), then answer it: as SSE frames
+    from ``stream(state, job, gone)`` or as one body from ``await whole(state, job, gone)`` (the chat and
+    completions shapes by default; the Responses and Anthropic routes pass their own)."""
     job.record = record_of(request)
     if job.record is not None:
         job.record.completion_id = job.request_id
     await admit(state, job)
     gone = partial(disconnected, request)
     if job.stream:
-        return StreamingResponse(sse(state, job, gone), media_type="text/event-stream",
+        return StreamingResponse((stream or sse)(state, job, gone), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await collect(state, job, gone)
+    return await (whole or collect)(state, job, gone)
 
 
 async def admit(state: ServerState, job: Job) -> None:
@@ -232,42 +239,54 @@ def _note_event(job: Job, ev: Event) -> None:
 
 
 # ---- the two answers ------------------------------------------------------------------------
+async def watched(state: ServerState, job: Job, gone: Gone | None, keepalive: bool = False
+                  ) -> AsyncIterator[Event | Outcome]:
+    """The job's events raced against the client and the deadline (``watch.race``), for every answer
+    shape: a disconnect or the deadline cancels the job here and is yielded last (DISCONNECT, TIMEOUT);
+    with ``keepalive``, KEEPALIVE whenever ``keepalive_s`` passes without an event."""
+    limits = state.limits
+    async with aclosing(events(state, job)) as evs, aclosing(race(
+            evs, gone, job.arrival + limits.request_timeout_s, limits.keepalive_s if keepalive else None)) as items:
+        async for item in items:
+            if item in (Outcome.DISCONNECT, Outcome.TIMEOUT):
+                mark_cancelled(job, item.value)
+            yield item
+
+
+def deadline_message(state: ServerState) -> str:
+    return f"the request did not finish within {state.limits.request_timeout_s:g} s"
+
+
+def deadline_error(state: ServerState) -> APIError:
+    """The 504 of a whole-body answer that missed the request deadline."""
+    return APIError(504, deadline_message(state), type_="server_error", code="timeout")
+
+
 async def collect(state: ServerState, job: Job, gone: Gone | None = None) -> Response | dict:
     """The whole answer as one JSON body; a client disconnect (499) or the timeout (504) cancels it."""
-    timeout = state.limits.request_timeout_s
     answer = Collected(job)
-    async with aclosing(events(state, job)) as evs, \
-            aclosing(race(evs, gone, job.arrival + timeout)) as items:
+    async with aclosing(watched(state, job, gone)) as items:
         async for item in items:
             if item is Outcome.DISCONNECT:
-                mark_cancelled(job, "client_disconnect")
                 return Response(status_code=499)
             if item is Outcome.TIMEOUT:
-                mark_cancelled(job, "timeout")
-                raise APIError(504, f"the request did not finish within {timeout:.0f} s", type_="server_error",
-                               code="timeout")
-            if isinstance(item, Event):
-                answer.add(item)
+                raise deadline_error(state)
+            answer.add(item)
     return answer.body(state.model_id)
 
 
 async def sse(state: ServerState, job: Job, gone: Gone | None = None) -> AsyncIterator[str]:
     """SSE frames for a streaming job, with keep-alive comments and the request deadline."""
-    limits = state.limits
     frames = StreamFrames(job, state.model_id)
     finished = timed_out = False
     try:
-        async with aclosing(events(state, job)) as evs, \
-                aclosing(race(evs, gone, job.arrival + limits.request_timeout_s, limits.keepalive_s)) as items:
+        async with aclosing(watched(state, job, gone, keepalive=True)) as items:
             async for item in items:
                 if item is Outcome.DISCONNECT:
-                    mark_cancelled(job, "client_disconnect")
                     return
                 if item is Outcome.TIMEOUT:
-                    mark_cancelled(job, "timeout")
                     timed_out = True
-                    yield frames.error(f"the request did not finish within {limits.request_timeout_s:.0f} s",
-                                       "timeout")
+                    yield frames.error(deadline_message(state), "timeout")
                 elif item is Outcome.KEEPALIVE:
                     yield ": keep-alive\n\n"
                 elif (frame := frames.event(item)) is not None:
