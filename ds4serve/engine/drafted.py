@@ -9,10 +9,10 @@ target's own token at row ``j``: the correction where ``d_{j+1}`` was rejected, 
   the token at row ``j`` is that row's argmax, so the committed tokens are plain greedy decoding's token
   for token; the native forward computes each row on its own, so the rows are the decode rows' bits;
 * random: exact rejection sampling, randomness keyed by (request seed, output index); for point-mass
-  drafts in the coupling ``verify_drafts`` describes, which commits plain decoding's own draws.
+  drafts in the coupling ``settle`` describes, which commits plain decoding's own draws.
 
 Each row is processed with the history it has in plain decoding (penalties and ``min_tokens`` bans see
-``output + d_1 .. d_i``, and its draw is keyed by output index ``k0 + i``: ``_row_states``). Which requests may draft (``draftable``): not one
+``output + d_1 .. d_i``, and its draw is keyed by output index ``k0 + i``: ``row_states``). Which requests may draft (``draftable``): not one
 with a grammar (its matcher would have to follow the draft and roll back: not yet) or a reasoning budget
 (enforced through a grammar).
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Draw, SamplerState, sample_rows
+from .sampling import Draw, SamplerState
 
 
 def draftable(sampler: SamplerState) -> bool:
@@ -43,37 +43,26 @@ class Verified:
     draw: Draw
 
 
-def verify_drafts(groups: Sequence[torch.Tensor], samplers: Sequence[SamplerState],
-                  drafts: Sequence[tuple[int, ...]]) -> list[Verified]:
-    """``groups[i]``: the ``[1 + L_i, V]`` logits of decoder ``i``'s rows; returns what each commits.
+def settle(draws: Sequence[Draw], draft: tuple[int, ...]) -> Verified:
+    """What a decoder commits from the draws of its ``1 + len(draft)`` rows (``sample_rows`` over
+    ``row_states``): the draft while it agrees with them, then the draw after it (with no draft: its one
+    draw, as plain decoding).
 
     The drafts are point masses (n-gram proposals). For a point-mass ``q`` at ``d``, rejection sampling
     accepts with probability ``p(d)`` and otherwise draws from ``p`` without ``d``: exactly the law of
     plain decoding's own draw ``t`` from ``p`` (keyed by the request seed and the output index) with
     ``d`` accepted when ``t == d`` and ``t`` committed on a mismatch. So each row is drawn as plain
-    decoding draws it (``sample_rows`` over ``row_states``) and the draft is accepted while it agrees:
-    the committed stream is plain decoding's, token for token, seeded or greedy, whatever was drafted,
-    whatever the batch, and after an undo. (A drafter with a real ``q``, DSpark, goes through
-    ``spec_verify.verify_rows``.)"""
-    if not groups:
-        return []
-    logits = torch.cat(list(groups))
-    states = [rs for s, d in zip(samplers, drafts) for rs in _row_states(s, d, logits.device)]
-    draws = sample_rows(logits, states)
-    out, start = [], 0
-    for d in drafts:
-        rows = draws[start:start + len(d) + 1]
-        j = 0
-        while j < len(d) and rows[j].ok and rows[j].token == d[j]:
-            j += 1
-        bad = next((r for r in rows[:j + 1] if not r.ok), None)
-        if bad is not None:
-            out.append(Verified((), (), bad))
-        else:
-            logprobs = tuple((r.logprob, r.top_logprobs or ()) if r.logprob is not None else None for r in rows[:j])
-            out.append(Verified(tuple(d[:j]), logprobs, rows[j]))
-        start += len(d) + 1
-    return out
+    decoding draws it and the draft is accepted while it agrees: the committed stream is plain
+    decoding's, token for token, seeded or greedy, whatever was drafted, whatever the batch, and after
+    an undo. (A drafter with a real ``q``, DSpark, goes through ``spec_verify.verify_rows``.)"""
+    j = 0
+    while j < len(draft) and draws[j].ok and draws[j].token == draft[j]:
+        j += 1
+    bad = next((r for r in draws[:j + 1] if not r.ok), None)
+    if bad is not None:
+        return Verified((), (), bad)
+    logprobs = tuple((r.logprob, r.top_logprobs or ()) if r.logprob is not None else None for r in draws[:j])
+    return Verified(tuple(draft[:j]), logprobs, draws[j])
 
 
 class _Extended(Sequence[int]):
@@ -97,11 +86,12 @@ class _Extended(Sequence[int]):
         yield from self.extra
 
 
-def _row_states(state: SamplerState, draft: tuple[int, ...], device: torch.device) -> list[SamplerState]:
-    """The state each verify row is sampled with: row ``i`` has ``output + d_1 .. d_i`` as its history, so
-    its penalties, ``min_tokens`` bans and draw (keyed by the history's length) are plain decoding's at
-    that index. The request's base seed is fixed first (``rng`` draws it once), so every row shares it."""
-    if not state.params.greedy and state.base_seed is None:
+def row_states(state: SamplerState, draft: tuple[int, ...], device: torch.device) -> list[SamplerState]:
+    """The state each of a decoder's rows is sampled with (``[state]`` without a draft): row ``i`` has
+    ``output + d_1 .. d_i`` as its history, so its penalties, ``min_tokens`` bans and draw (keyed by the
+    history's length) are plain decoding's at that index. The request's base seed is fixed first
+    (``rng`` draws it once), so every row shares it."""
+    if draft and not state.params.greedy and state.base_seed is None:
         state.rng(device)
     return [state] + [SamplerState(state.params, state.prompt_ids, _Extended(state.output_ids, draft[:i]),
                                    state.eos_ids, base_seed=state.base_seed) for i in range(1, len(draft) + 1)]

@@ -28,7 +28,7 @@ from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_decode import HostDecoder, description as host_build
 from .decode_graphs import DecodeRunner, resolve_mode
-from .drafted import verify_drafts
+from .drafted import row_states, settle
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
 from .sampling import sample_rows
@@ -283,27 +283,21 @@ class Engine:
         return parts[0].clone() if len(parts) == 1 else torch.cat(parts)
 
     def _sample(self, rows, owners: list[_Owner]) -> list[SampledToken]:
-        """One token per owner (sampled), or for a decoder with a draft, the accepted prefix and the
-        target's token after it (verified, ``drafted.verify_drafts``): the LM head runs once over all rows."""
+        """One token per owner, or for a decoder with a draft the accepted prefix and the target's token
+        after it (``drafted.settle``): the LM head and the sampler run once over every row."""
         if not owners or not self.sample:
             return []
         streams = torch.cat(rows) if len(rows) > 1 else rows[0]
         logits = self.host.logits(streams) if self.host is not None else self.model.logits(streams)
-        starts = torch.tensor([0] + [o.rows for o in owners]).cumsum(0).tolist()
-        plain = [i for i, o in enumerate(owners) if not o.draft]
-        out: dict[int, SampledToken] = {}
-        if plain:
-            rows_at = torch.tensor([starts[i] for i in plain], device=logits.device)
-            draws = sample_rows(logits.index_select(0, rows_at), [owners[i].sampler for i in plain])
-            out.update({i: self._token(owners[i], d) for i, d in zip(plain, draws)})
-        drafted = [i for i, o in enumerate(owners) if o.draft]
-        if drafted:
-            groups = [logits[starts[i]:starts[i] + owners[i].rows] for i in drafted]
-            outcomes = verify_drafts(groups, [owners[i].sampler for i in drafted], [owners[i].draft for i in drafted])
-            for i, v in zip(drafted, outcomes):
-                tok = self._token(owners[i], v.draw)
-                out[i] = dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs)
-        return [out[i] for i in range(len(owners))]
+        draws = sample_rows(logits, [s for o in owners for s in row_states(o.sampler, o.draft, logits.device)])
+        out, start = [], 0
+        for o in owners:
+            v = settle(draws[start:start + o.rows], o.draft)
+            start += o.rows
+            tok = self._token(o, v.draw)
+            out.append(dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs)
+                       if v.accepted else tok)
+        return out
 
     @staticmethod
     def _token(owner: _Owner, d) -> SampledToken:
