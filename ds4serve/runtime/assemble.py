@@ -67,7 +67,7 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
     phases = dict(startup or {})
     parts = build_parts(cfg, model, s, torch.device(device), dtype, eos_ids, engine_factory, parallel)
     limits = scheduler_limits(cfg, s, parts.resolved)
-    drafting = draft_policy(cfg, s.speculative, parts.cache, 1 if parallel is None else 2)
+    drafting = draft_policy(cfg, s.speculative, parts.cache, tensor_parallel=parallel is not None)
     phases["engine"] = time.perf_counter() - t0
     try:
         if s.warmup:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: CacheManager,
-                 tensor_parallel: int = 1) -> DraftPolicy | None:
+                 tensor_parallel: bool = False) -> DraftPolicy | None:
     """The scheduler's drafter for ``spec`` (None: no speculative decoding), or a ConfigError naming what
     this checkpoint or this engine cannot do."""
     if spec is None:
@@ -39,7 +39,7 @@ def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: 
     if spec.method != "ngram":
         raise ConfigError(f"--speculative-config method {spec.method!r}: the checkpoint drafters (DSpark, MTP) are "
                           "not run by this build yet; use {\"method\": \"ngram\"}, or leave speculative decoding off")
-    if tensor_parallel > 1:
+    if tensor_parallel:
         raise ConfigError("--speculative-config: drafts are not verified under tensor parallelism yet "
                           "(--tensor-parallel-size 1, or no --speculative-config)")
     room = max_draft(cache.state)
