@@ -224,6 +224,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     img.add_argument("--step-tokens", type=int, default=24)
     img.add_argument("--threads", type=int, default=None)
     img.add_argument("--rounds", type=int, default=5, help="interleaved sliced / whole rounds (figures are medians)")
+    sp = bsub.add_parser("spec", help="decode tok/s with and without speculative drafts; acceptance per position")
+    sp.add_argument("--model", type=Path, default=None, help="a checkpoint (default: the bundled model)")
+    sp.add_argument("--streams", default="1,4,16", help="comma-separated concurrency levels")
+    sp.add_argument("--new-tokens", type=int, default=128)
+    sp.add_argument("--rounds", type=int, default=3, help="interleaved plain / drafted rounds (the best is kept)")
+    sp.add_argument("--speculative-config", default=None, help="the drafts' config (default: n-gram, 5 tokens)")
+    sp.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     gr = bsub.add_parser("grammar", help="per-step cost of grammar-constrained decoding at N concurrent requests")
     gr.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json or model folder (default: bundled)")
     gr.add_argument("--batch", type=int, default=16, help="concurrent constrained requests")
@@ -429,6 +436,14 @@ def _bench(args) -> int:
         from .bench.images_bench import run as run_images
 
         run_images(args.model, step_tokens=args.step_tokens, threads=args.threads, rounds=args.rounds)
+        return 0
+    if args.bench_command == "spec":
+        import json
+
+        from .bench.spec_bench import run as run_spec
+
+        run_spec(args.model, [int(x) for x in args.streams.split(",") if x.strip()], args.new_tokens, args.rounds,
+                 json.loads(args.speculative_config) if args.speculative_config else None, args.json)
         return 0
     if args.bench_command == "grammar":
         from .bench.grammar_bench import run as run_grammar

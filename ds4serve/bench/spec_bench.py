@@ -1,0 +1,118 @@
+"""``ds4serve bench spec``: decode tok/s with and without speculative drafts, and acceptance per position.
+
+Two engines on the same checkpoint, one plain and one with ``--speculative-config`` (default: n-gram
+drafts of up to 5 tokens), generate the same greedy batches at each concurrency, in interleaved rounds
+(the best round is kept: on a shared machine the noise only ever slows a round down). Each prompt is a
+seeded random phrase repeated, the shape of text edited in place, where prompt lookup finds its
+matches. Per concurrency it reports both rates and their ratio, the drafted and accepted tokens, the
+acceptance at each draft position and the mean acceptance length (tokens committed per verify step,
+the bonus included), and whether the outputs were identical (they must be: verification is exact).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..llm import LLM
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "ds4v-tiny"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@dataclass(frozen=True)
+class SpecRow:
+    streams: int
+    plain_tok_s: float
+    spec_tok_s: float
+    drafted: int
+    accepted: int
+    verify_steps: int
+    acceptance_by_position: tuple[float, ...]
+    identical: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.spec_tok_s / self.plain_tok_s
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step: the accepted drafts plus the target's own token."""
+        return 1 + self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+
+def prompts(n: int, vocab: int, length: int = 240, phrase: int = 60, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts, each a seeded random phrase of ``phrase`` ids repeated to ``length``."""
+    out = []
+    for i in range(n):
+        rnd = random.Random(seed * 1000 + i)
+        words = [rnd.randrange(100, vocab) for _ in range(phrase)]
+        out.append((words * (length // phrase + 1))[:length])
+    return out
+
+
+def _timed(llm: LLM, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], Counter]:
+    before = Counter(llm.core.stats.speculation)
+    t = time.perf_counter()
+    outs = llm.generate(batch, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    elapsed = time.perf_counter() - t
+    return len(batch) * new_tokens / elapsed, outs, Counter(llm.core.stats.speculation) - before
+
+
+def _row(c: int, plain: list[float], spec: list[float], figures: Counter, identical: bool) -> SpecRow:
+    drafted_at = [figures[f"drafted_at_{i}"] for i in range(16) if figures[f"drafted_at_{i}"]]
+    by_pos = tuple(figures[f"accepted_at_{i}"] / n for i, n in enumerate(drafted_at))
+    return SpecRow(c, max(plain), max(spec), figures["drafted_tokens"], figures["accepted_tokens"],
+                   figures["verify_steps"], by_pos, identical)
+
+
+def measure(model: Path, streams: Sequence[int], new_tokens: int, rounds: int, speculative: dict,
+            **settings) -> list[SpecRow]:
+    """The figures per concurrency (see the module docstring); ``settings`` go to both engines."""
+    max_seqs = max(streams)
+    plain = LLM(model, max_seqs=max_seqs, **settings)
+    spec = LLM(model, max_seqs=max_seqs, speculative=json.dumps(speculative), **settings)
+    vocab = plain.core.cfg.vocab_size
+    rows = []
+    for c in streams:
+        batch = prompts(c, vocab)
+        rates: dict[str, list[float]] = {"plain": [], "spec": []}
+        figures, identical = Counter(), True
+        for _ in range(rounds):
+            p_rate, p_out, _ = _timed(plain, batch, new_tokens)
+            s_rate, s_out, got = _timed(spec, batch, new_tokens)
+            rates["plain"].append(p_rate)
+            rates["spec"].append(s_rate)
+            figures += got
+            identical &= p_out == s_out
+        rows.append(_row(c, rates["plain"], rates["spec"], figures, identical))
+    return rows
+
+
+def render(rows: Sequence[SpecRow], speculative: dict) -> str:
+    lines = [f"speculative decoding: {json.dumps(speculative)} (greedy, best of the rounds)",
+             "| streams | plain tok/s | drafts tok/s | ratio | drafted | accepted | mean acceptance length "
+             "| acceptance by position | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pos = " / ".join(f"{a:.2f}" for a in r.acceptance_by_position) or "-"
+        lines.append(f"| {r.streams} | {r.plain_tok_s:.1f} | {r.spec_tok_s:.1f} | {r.ratio:.2f}x | {r.drafted} | "
+                     f"{r.accepted} | {r.mean_acceptance_length:.2f} | {pos} | {'yes' if r.identical else 'NO'} |")
+    return "\n".join(lines)
+
+
+def run(model: Path | None = None, streams: Sequence[int] = (1, 4, 16), new_tokens: int = 128, rounds: int = 3,
+        speculative: dict | None = None, json_path: Path | None = None, **settings) -> list[SpecRow]:
+    spec = speculative or NGRAM
+    rows = measure(model or TINY, streams, new_tokens, rounds, spec, **settings)
+    print(render(rows, spec))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps([asdict(r) | {"ratio": r.ratio,
+                                                            "mean_acceptance_length": r.mean_acceptance_length}
+                                               for r in rows], indent=2))
+    return rows
