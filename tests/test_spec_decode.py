@@ -184,7 +184,7 @@ def test_drafting_turns_down_as_the_batch_fills():
     """The cost rule: a draft must beat c n / (a + b n); a request whose rate is below it drafts nothing,
     one above drafts within its share of the spare rows, and no costs (warm-up off) means no floor."""
     from ds4serve.scheduler.admission import SchedulerLimits
-    from ds4serve.scheduler.drafting import DraftPolicy, worth
+    from ds4serve.scheduler.drafting import PROBE_EVERY, DraftPolicy, worth
     from ds4serve.scheduler.request import Request
 
     costs = (4e-3, 1e-4, 1e-4)  # a step's fixed cost dominates one stream; rows dominate at 64
@@ -208,6 +208,14 @@ def test_drafting_turns_down_as_the_batch_fills():
     assert policy.plan(decoders(64, 0.3), limits) == {}  # 0.3 < worth(64) = 0.62
     many = policy.plan(decoders(64, 0.9), limits)  # above the floor, within half the spare rows
     assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
+    window = DraftPolicy(k=4, min_n=1, max_n=3, window=4, max_rows=7, vocab_size=1000)
+    one = decoders(1, 1.0)[0]
+    assert window._history(one) == [3, 1, 2, 3]  # the last 4 of prompt + output, nothing copied beyond
+    low = decoders(64, 0.3)  # below it: one token every PROBE_EVERY steps, so the rate can recover
+    plans = [policy.plan(low, limits) for _ in range(2 * PROBE_EVERY)]
+    drafted = [i for i, p in enumerate(plans) if p]
+    assert drafted == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert all(len(d) == 1 for d in plans[drafted[0]].values()) and len(plans[drafted[0]]) > 1
 
 
 def test_the_step_contract_checks_an_accepted_run_against_its_draft():

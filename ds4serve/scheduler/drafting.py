@@ -7,7 +7,8 @@ fills and a loaded server is not slower for it; and all drafts together take at 
 rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``, the rest stays with
 prefill progress). Requests whose drafts were accepted most often go first, and each drafts
 ``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own acceptance
-(starting at 1, as a new request has no history).
+(starting at 1, as a new request has no history). A request whose rate does not pay drafts a single
+token every ``PROBE_EVERY`` steps, so a rate that fell during one stretch of text can recover in the next.
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts:
 no penalties (they read the history the draft extends), no grammar (its state would have to follow the
@@ -28,6 +29,7 @@ from .admission import SchedulerLimits
 from .request import Request
 
 RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (one verify step = one sample)
+PROBE_EVERY = 16  # a request whose rate does not pay drafts one token this often, so the rate can recover
 
 
 @dataclass(frozen=True)
@@ -50,17 +52,30 @@ class DraftPolicy:
         floor = worth(len(decoders), limits.step_costs)
         out: dict[str, tuple[int, ...]] = {}
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
-            if budget <= 0 or req.draft_rate <= floor:
+            if budget <= 0:
                 break
-            n = min(self._length(req, limits.max_model_len), budget)
+            probe = req.draft_rate <= floor  # its rate does not pay: one token every PROBE_EVERY steps
+            if probe:
+                req.draft_skipped += 1
+                if req.draft_skipped % PROBE_EVERY:
+                    continue
+            n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
                 continue
-            draft = propose(req.prompt_ids + req.output_ids, n, self.min_n, self.max_n, self.window)
+            draft = propose(self._history(req), n, self.min_n, self.max_n, self.window)
             draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
         return out
+
+    def _history(self, req: Request) -> list[int]:
+        """The last ``window`` tokens of prompt + output (what ``propose`` searches), without copying the
+        whole context every step."""
+        out = req.output_ids
+        if len(out) >= self.window:
+            return out[-self.window:]
+        return req.prompt_ids[max(0, len(req.prompt_ids) - self.window + len(out)):] + out
 
     def _length(self, req: Request, max_model_len: int) -> int:
         """The longest draft worth verifying for ``req``: its rate's share of ``k``, within what it may

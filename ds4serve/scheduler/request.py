@@ -81,6 +81,7 @@ class Request:
     draft_rate: float = 1.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    draft_skipped: int = 0  # steps its rate did not pay for a draft (scheduler.drafting's probe counts them)
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
