@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from .chat.dsml import EFFORT_PROMPTS
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
 from .settings import HOST_KERNEL_MODES, PACKED_MODES, EngineSettings
@@ -171,6 +172,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-expert-parallel", action="store_true", help="whole routed experts per rank")
     serve.add_argument("--tp-timeout", type=float, default=300.0,
                        help="seconds a tensor-parallel collective may take before the server stops (a rank died or hangs)")
+    serve.add_argument("--chat-encoding", default="auto", choices=("auto", *EFFORT_PROMPTS),
+                       help="the reasoning-effort prompts to render: v4 (the first DeepSeek-V4-Flash encoder: "
+                            "max = 'Absolute maximum') or v4-vision (Vision-Exp / 0731: high = 'Absolute maximum', "
+                            "max = 'Beyond maximum'); auto (the default): the checkpoint's encoding/ folder, else "
+                            "its config.json, else v4-vision; the start-up log says which and why")
     serve.add_argument("--allow-image-hosts", default="",
                        help="comma-separated hosts (or *.domain) that http(s) image URLs may come from; "
                             "empty (default): only base64 data: URLs")
@@ -341,7 +347,8 @@ def _serve(args) -> int:
                         api_keys=keys, served_name=served, random_weights=random_weights,
                         vision_device=args.vision_device, image_hosts=hosts,
                         packed_experts=args.packed_weights, parallel=ParallelSettings(
-                            args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout))
+                            args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout),
+                        chat_encoding=None if args.chat_encoding == "auto" else args.chat_encoding)
     run(state, args.host, args.port, args.log_level)
     return 0
 

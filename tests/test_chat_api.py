@@ -242,7 +242,6 @@ def test_tools_and_tool_history_are_rendered(server, client):
     ({"stream_options": {"include_usage": True, "continuous_usage": True}, "stream": True}, "stream_options"),
     ({"max_reasoning_tokens": 10}, "max_reasoning_tokens"),
     ({"messages": [{"role": "user", "content": "q", "reasoning_content": "r"}]}, "messages[0].reasoning_content"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
     r = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 1, **body})

@@ -224,7 +224,7 @@ def test_models(base):
 @pytest.mark.parametrize("method,path,body,status", [
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "temperature": 9}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny", "messages": []}, 400),
-    ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "logit_bias": {"1": 5}}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny", "messages": USER, "guided_json": {"type": "object"}}, 400),
     ("POST", "/v1/completions", {"model": "tiny"}, 400),
     ("POST", "/v1/completions", "{not json", 400),
     ("GET", "/v1/models/nope", None, 404),

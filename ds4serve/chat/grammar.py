@@ -9,13 +9,17 @@ What each field asks for (the grammar applies to the answer: after ``</think>`` 
 
 * ``response_format`` ``{"type": "json_object"}``: one JSON object; ``{"type": "json_schema",
   "json_schema": {"schema": ...}}``: one JSON value valid for the schema (``strict`` or not: an
-  answer that does not validate is never useful); ``{"type": "text"}``: nothing.
+  answer that does not validate is never useful), objects listing ``properties`` without
+  ``additionalProperties`` generated closed (``schema_closed``); ``{"type": "text"}``: nothing.
 * ``tool_choice`` ``"required"``: one or more well-formed DSML calls of the declared tools, nothing
   else; a named function (``{"type": "function", "function": {"name": ...}}``): exactly one call of
   it. Arguments validate against the tool's ``parameters`` schema (see ``grammar_lark``).
 * ``"auto"`` (the default when ``tools`` are given): free text (or the ``response_format`` JSON),
   and once the model opens ``<｜DSML｜tool_calls>`` the rest is a well-formed block.
 * ``"none"``: free text (or the JSON) that never opens or closes DSML markup.
+* ``parallel_tool_calls: false``: the block of ``"required"`` and ``"auto"`` closes after its first
+  call, so a second call cannot be sampled (the grammar, not a post-hoc cut, as vLLM's structural
+  tags do); a named function is one call either way.
 
 Errors are ``GrammarError`` with ``field`` naming the request field (a 400 for the server).
 """
@@ -133,7 +137,8 @@ def _chosen(tool_choice: Any, tools: list[tuple[str, dict[str, Any]]]) -> tuple[
     return "named", match
 
 
-def grammar_spec(*, response_format: Any = None, tools: Any = None, tool_choice: Any = None) -> GrammarSpec | None:
+def grammar_spec(*, response_format: Any = None, tools: Any = None, tool_choice: Any = None,
+                 parallel_tool_calls: bool = True) -> GrammarSpec | None:
     """The grammar these request fields ask for, or ``None`` for free output (see the module doc)."""
     schema, fields = answer_schema(response_format)
     if not tools:
@@ -152,5 +157,5 @@ def grammar_spec(*, response_format: Any = None, tools: Any = None, tool_choice:
         return _spec("json", gl.json_answer(schema), fields) if schema is not None else \
             _spec("none", gl.text_no_markup(), [])
     if mode in ("required", "named"):
-        return _spec(mode, gl.forced_calls(allowed, many=mode == "required"), tool_fields)
-    return _spec("auto", gl.auto_calls(allowed, schema), fields + tool_fields)
+        return _spec(mode, gl.forced_calls(allowed, many=mode == "required" and parallel_tool_calls), tool_fields)
+    return _spec("auto", gl.auto_calls(allowed, schema, many=parallel_tool_calls), fields + tool_fields)

@@ -15,7 +15,9 @@ tool whose ``parameters`` declare no properties (and do not forbid extra ones) t
 Plain ``"type": "string"`` properties are raw text (``string="true"``), with ``enum``/``const``,
 ``minLength``/``maxLength`` and ``pattern`` enforced on the raw text; every other property (and a
 string with ``format``, which only the JSON compiler checks) is JSON with ``string="false"``, checked
-by llguidance's JSON-schema compiler. JSON is written compactly with ``", "``/``": "`` separators,
+by llguidance's JSON-schema compiler, from ``schema_closed.closed(schema)``: an object listing its
+properties without ``additionalProperties`` gets no unlisted keys (the declared parameters above are
+closed the same way). JSON is written compactly with ``", "``/``": "`` separators,
 as ``dsml.to_json`` writes history, so the model sees its own training format.
 
 Lexing note: llguidance's lexer decides a lexeme with one byte of lookahead, so "text up to a
@@ -32,6 +34,7 @@ from typing import Any
 import llguidance
 
 from .dsml import DSML, TOOL_CALLS_CLOSE, TOOL_CALLS_OPEN
+from .schema_closed import closed
 
 #: JSON layout inside grammars: no free whitespace, the separators ``dsml.to_json`` writes.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -68,12 +71,14 @@ def lit(text: str) -> str:
 
 
 def json_item(schema: Any, defs: dict[str, Any] | None = None) -> str:
-    """``%json{...}`` for ``schema``, with the root's ``$defs`` so local ``$ref`` still resolve."""
+    """``%json{...}`` for ``schema``, with the root's ``$defs`` so local ``$ref`` still resolve, and its
+    objects that list properties closed (``schema_closed``: no unlisted keys unless the schema says so)."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     sub = dict(schema)
     for key, value in (defs or {}).items():
         sub.setdefault(key, value)
+    sub = closed(sub)
     sub["x-guidance"] = {**JSON_OPTIONS, **sub.get("x-guidance", {})}
     return "%json" + json.dumps(sub, ensure_ascii=False)
 
@@ -213,11 +218,12 @@ def forced_calls(tools: list[tuple[str, dict[str, Any]]], *, many: bool) -> str:
     return header(tool_block(tools, many=many), f'{lit(chr(10) * 2 + TOOL_CALLS_OPEN)} block')
 
 
-def auto_calls(tools: list[tuple[str, dict[str, Any]]], answer_schema: dict[str, Any] | None = None) -> str:
+def auto_calls(tools: list[tuple[str, dict[str, Any]]], answer_schema: dict[str, Any] | None = None, *,
+               many: bool = True) -> str:
     """``tool_choice: "auto"``: free text (or the ``response_format`` JSON), or a tool-call block whose
-    markup is then constrained. The text before a block is the model's (the scanner drops its
-    trailing whitespace as markup)."""
-    rules = tool_block(tools, many=True)
+    markup is then constrained (one call when not ``many``: ``parallel_tool_calls: false``). The text
+    before a block is the model's (the scanner drops its trailing whitespace as markup)."""
+    rules = tool_block(tools, many=many)
     if answer_schema is None:
         return header(rules, "NOMARK | TEXT_OPEN block")
     rules.append(f"WS_OPEN: /[ \\t\\r\\n]*/ {lit(TOOL_CALLS_OPEN)}")

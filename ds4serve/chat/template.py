@@ -142,7 +142,16 @@ def _append_text(tok: Tokenizer, out: RenderedPrompt, text: str) -> None:
     out.ids.extend(tok.encode_text(text))
 
 
-def render_completion(tok: Tokenizer, prompt: str) -> list[int]:
-    """A raw completion prompt: BOS + text (special-token strings stay plain text)."""
+def render_completion(tok: Tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """A raw completion prompt, tokenized as vLLM and llama-server do: special-token text in it
+    (``<｜User｜>``, ``<｜Assistant｜>``, ...) becomes that token, because a completions client writes the
+    whole prompt, chat markup included (lm-eval's ``--apply_chat_template`` renders the DS4 encoding
+    and sends it here). BOS goes first unless ``add_special_tokens`` is false (vLLM's flag) or the
+    prompt already starts with BOS text: a rendered chat prompt carries its own, and a second BOS is a
+    sequence the model never saw in training. The image placeholder is still refused: without an
+    image behind it, it would prefill an image slot with nothing."""
     _check_injection(prompt, "prompt")
-    return [tok.bos_id] + tok.encode_text(prompt)
+    ids = tok.encode_markup(prompt)
+    if add_special_tokens and ids[:1] != [tok.bos_id]:
+        ids.insert(0, tok.bos_id)
+    return ids

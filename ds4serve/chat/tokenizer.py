@@ -67,8 +67,10 @@ class Tokenizer:
         return tok
 
     def encode_markup(self, text: str) -> list[int]:
-        """Ids of trusted prompt text (our own template): special-token strings in it become their
-        tokens, exactly as the reference tokenizes a rendered prompt. Never for client text."""
+        """Ids of prompt text whose markup is meant: our own template, or a raw ``/v1/completions``
+        prompt (its client writes the whole prompt, role markers included, as vLLM reads it).
+        Special-token strings in it become their tokens, exactly as the reference tokenizes a rendered
+        prompt. Never for text inside a chat message, where a typed marker must stay text."""
         if not text:
             return []
         return self._markup_tok().encode(text, add_special_tokens=False).ids

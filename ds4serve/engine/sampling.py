@@ -6,16 +6,20 @@ whatever else is in the batch. Greedy rows take the argmax. Random rows draw exa
 exponential noise per token from their own generator (the "exponential race", equivalent to a
 categorical draw), so their token stream does not depend on the batch either.
 
-Order of processing (as vLLM): penalties on raw logits -> suppress EOS/stop ids under
-``min_tokens`` -> grammar mask (``constraints.py``; rows with a grammar only) -> temperature -> top-k -> top-p -> min-p -> draw. Logprobs are reported from the
-raw model distribution.
+Order of processing (as vLLM's v1 sampler): ``logit_bias`` added to the raw logits (one batched
+scatter-add over the rows that carry one) -> penalties -> suppress EOS/stop ids under ``min_tokens``
+-> grammar mask (``constraints.py``; rows with a grammar only) -> temperature -> top-k -> top-p ->
+min-p -> draw. Logprobs are reported from the raw model distribution (before the bias), as vLLM's
+default ``raw_logprobs`` and OpenAI do.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -45,6 +49,11 @@ class SamplingParams:
     # thinking budget: past this many output tokens still inside the reasoning, only </think> may come
     # (needs a constraint that knows the reasoning state; see constraints.py)
     max_reasoning_tokens: int | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the raw logits, ids distinct
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # logit_bias split once (``_check_bias``), so a step concatenates tuples instead of walking pairs
+    bias_ids: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    bias_values: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +73,21 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise SamplingError(msg)
+        self._check_bias()
+
+    def _check_bias(self) -> None:
+        """The server checks ids against the vocabulary; here what no vocabulary makes valid is refused,
+        so a direct ``LLM`` caller gets the same rules (a duplicate id would add its bias twice)."""
+        ids = [t for t, _ in self.logit_bias]
+        for t, b in self.logit_bias:
+            if t < 0:
+                raise SamplingError(f"logit_bias token id {t} is negative")
+            if not (math.isfinite(b) and -100 <= b <= 100):
+                raise SamplingError(f"logit_bias for token {t} is {b}; it must be in [-100, 100]")
+        if len(set(ids)) != len(ids):
+            raise SamplingError("logit_bias names a token id twice")
+        object.__setattr__(self, "bias_ids", tuple(ids))
+        object.__setattr__(self, "bias_values", tuple(float(b) for _, b in self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -134,7 +158,7 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Dr
     finite = torch.isfinite(logits).all(dim=-1)
     logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros_like(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in states) else None
-    penalised = _apply_penalties(logits, states)
+    penalised = _apply_penalties(apply_bias(logits, states), states)
     work = constrain(_ban(penalised, states), states)
     if any(s.constraint is not None for s in states):  # a grammar allowing only what min_tokens bans (EOS)
         dead = ~torch.isfinite(work).any(dim=-1)
@@ -148,6 +172,26 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Dr
         drawn = torch.stack([_race(probs[j], states[i].rng(logits.device)) for j, i in enumerate(random_rows)])
         tokens = tokens.index_copy(0, idx, drawn)
     return _collect(tokens, finite, raw_logprobs, states)
+
+
+def apply_bias(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias``: one ``index_put_`` (accumulating) over every biased row.
+
+    Ids at or past this vocabulary (a padded or smaller head than the tokenizer; the server refuses
+    them first) add 0 at column 0 rather than indexing out of range, without a host sync."""
+    rows = [i for i, s in enumerate(states) if s.params.logit_bias]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    params = [states[i].params for i in rows]
+    counts = torch.tensor([len(p.bias_ids) for p in params], device=dev)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, device=dev), counts)
+    cols = torch.tensor(list(chain.from_iterable(p.bias_ids for p in params)), dtype=torch.long, device=dev)
+    vals = torch.tensor(list(chain.from_iterable(p.bias_values for p in params)), dtype=logits.dtype, device=dev)
+    inside = cols < vocab
+    out = logits.clone()
+    out.index_put_((row_idx, torch.where(inside, cols, 0)), torch.where(inside, vals, 0), accumulate=True)
+    return out
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:

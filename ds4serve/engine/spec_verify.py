@@ -13,7 +13,7 @@ Interface (the engine integration builds on these; nothing here keeps state acro
 * ``verify_rows(logits, states, drafts, grammar_mask=None) -> list[Verdict]``: one call per step for
   the requests that verify. ``logits [R, V]`` are the target's *raw* rows (fp32, as ``sample_rows``
   takes them), request r's L_r + 1 rows contiguous and requests in ``states`` order. Processing is
-  ``sample_rows``' (penalties -> min_tokens bans -> grammar -> temperature -> top-k -> top-p ->
+  ``sample_rows``' (logit_bias -> penalties -> min_tokens bans -> grammar -> temperature -> top-k -> top-p ->
   min-p), each row with the history it would have in plain decoding (``row_states``: row i sees
   ``output_ids + d_1..d_i``). Grammar rows need ``grammar_mask [R, V]`` (bool, True: allowed), built
   by the caller from a matcher advanced through the drafts (and rolled back after): this module never
@@ -59,7 +59,7 @@ from itertools import accumulate
 import torch
 
 from .sampling import (Draw, SamplerState, SamplingParams, _apply_penalties, _ban, _collect, _filtered_probs, _race,
-                       token_seed)
+                       apply_bias, token_seed)
 
 ACCEPT_DOMAIN = (1 << 62) | 0xACCE97  # far above any output index, so never an index of plain sampling
 DRAFT_DOMAIN = (1 << 62) | 0xD4AF7
@@ -177,7 +177,7 @@ def _layout(logits: torch.Tensor, states: Sequence[SamplerState], drafts: Sequen
 def _process(logits: torch.Tensor, rstates: Sequence[SamplerState], mask: torch.Tensor | None) -> torch.Tensor:
     """``sample_rows``' processing up to the grammar, per row; the grammar comes from ``mask``. A row
     the grammar and the bans leave empty falls back to the grammar alone, as ``sample_rows`` does."""
-    penalised = _apply_penalties(logits, rstates)
+    penalised = _apply_penalties(apply_bias(logits, rstates), rstates)
     work = _ban(penalised, rstates)
     if mask is None:
         if any(s.constraint is not None for s in rstates):

@@ -47,10 +47,6 @@ _TERMS = (("function.parameters", "input_schema"), ("max_reasoning_tokens", "thi
 
 def _in_our_terms(exc: APIError) -> APIError:
     """A refusal of the chat route said with this API's field names."""
-    if exc.param == "parallel_tool_calls":
-        return APIError(400, "tool_choice.disable_parallel_tool_use is not supported by this server with tool_choice "
-                        "'auto' or 'any'; use {\"type\": \"tool\", \"name\": ...} for exactly one call",
-                        param="tool_choice", code="unsupported_parameter")
     message = exc.message
     for theirs, ours in _TERMS:
         message = message.replace(theirs, ours)

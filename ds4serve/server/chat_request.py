@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat import ChatOptions
+from ..chat.dsml import DEFAULT_EFFORT_EDITION
 from .protocol import APIError, ChatControls
 from .schema_check import schema_problem
 
@@ -194,8 +195,10 @@ def _prefix(messages: list[dict[str, Any]]) -> bool:
     return bool(last.get("prefix"))
 
 
-def chat_setup(body: ChatControls, messages: list[dict[str, Any]], default_thinking: bool) -> ChatSetup:
-    """The encoder options and output reading for ``body`` (raises the 400s of the module docstring)."""
+def chat_setup(body: ChatControls, messages: list[dict[str, Any]], default_thinking: bool,
+               edition: str = DEFAULT_EFFORT_EDITION) -> ChatSetup:
+    """The encoder options and output reading for ``body`` (raises the 400s of the module docstring);
+    ``edition``: the checkpoint's effort prompts (``chat.edition``, chosen at start-up)."""
     kwargs = body.chat_template_kwargs or {}
     unknown = [k for k in kwargs if k not in KWARGS]
     if unknown:
@@ -207,7 +210,7 @@ def chat_setup(body: ChatControls, messages: list[dict[str, Any]], default_think
     names = _check_tools(body.tools)
     choice, name = _tool_choice(body.tool_choice, names)
     opts = ChatOptions(thinking=thinking, reasoning_effort=effort, drop_thinking=drop, tools=body.tools or None,
-                       response_format=_response_format(body.response_format))
+                       response_format=_response_format(body.response_format), effort_edition=edition)
     return ChatSetup(messages, opts, _prefix(messages), choice, name)
 
 

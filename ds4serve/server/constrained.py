@@ -40,7 +40,7 @@ def spec_of(setup: ChatSetup, body: Any):
     """The request's grammar spec (None: free output); a bad schema or choice is a 400 naming it."""
     try:
         return grammar_spec(response_format=setup.options.response_format, tools=body.tools,
-                            tool_choice=body.tool_choice)
+                            tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False)
     except GrammarError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .access_log import RequestRecord, record_of, request_id_of
@@ -86,9 +87,33 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
     return _error_response(APIError(400, msg, param=param), record_of(request), request.url.path)
 
 
+def served_routes(app: Any) -> list[tuple[str, str]]:
+    """(method, path) of every API route, in the order they were added. Only routes in the OpenAPI
+    schema count (the docs pages and the chat page's files are not API); ``HEAD``, which Starlette adds
+    to every ``GET``, is left out so the list reads as the API does."""
+    return [(method, route.path) for route in app.routes
+            if isinstance(route, APIRoute) and route.include_in_schema
+            for method in sorted(route.methods - {"HEAD"})]
+
+
+def _routing_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """A 404 or 405 from routing, told so a client can fix it: the bare "Not Found" says neither what
+    was asked for nor what exists, and a wrong base URL or method is the usual cause."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 405:
+        allowed = sorted({m for r in request.app.routes if isinstance(r, APIRoute) and r.path_regex.match(path)
+                          for m in r.methods - {"HEAD"}})
+        return APIError(405, f"method {method} is not allowed on {path}; allowed: {', '.join(allowed)}",
+                        code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+    served = ", ".join(f"{m} {p}" for m, p in served_routes(request.app))
+    return APIError(404, f"no route {method} {path}; this server serves: {served}", code="not_found")
+
+
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    err = APIError(exc.status_code, str(exc.detail), code=code)
+    if exc.status_code in (404, 405):
+        err = _routing_error(request, exc)
+    else:
+        err = APIError(exc.status_code, str(exc.detail))
     return _error_response(err, record_of(request), request.url.path)
 
 

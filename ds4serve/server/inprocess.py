@@ -66,13 +66,15 @@ class RunningServer:
 @contextlib.contextmanager
 def serve(model_dir: Path, *, api_key: str | None = None, api_keys: Mapping[str, str] | None = None,
           settings: dict | None = None, limits: dict | None = None, name: str = "tiny", random_weights: bool = True,
-          parallel: ParallelSettings | None = None):
+          parallel: ParallelSettings | None = None, chat_encoding: str | None = None):
     """A started server on a free loopback port for the ``with`` block. ``api_key``: one key (named
     ``key-1``); ``api_keys``: several, ``{name: key}``. ``parallel``: a tensor-parallel group (this
-    process is rank 0; the others are started and stopped with the server)."""
+    process is rank 0; the others are started and stopped with the server). ``chat_encoding``: as
+    ``serve --chat-encoding`` (None: the checkpoint's edition)."""
     s = EngineSettings(**({"max_seqs": 8, "max_model_len": 1024, "warmup": False} | (settings or {})))
     state = build_state(model_dir, settings=s, limits=ServerLimits(**(limits or {})), api_key=api_key,
-                        api_keys=api_keys, served_name=name, random_weights=random_weights, parallel=parallel)
+                        api_keys=api_keys, served_name=name, random_weights=random_weights, parallel=parallel,
+                        chat_encoding=chat_encoding)
     # a lost rank (tensor-parallel) stops this server, not the calling process
     state.loop.on_rank_lost(lambda why: state.loop.begin_shutdown(why))
     srv = RunningServer(state, free_port()).start()

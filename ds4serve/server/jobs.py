@@ -8,6 +8,7 @@ has been a 4xx. A job then goes to ``serving.respond``; nothing here runs the en
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -79,7 +80,8 @@ def new_request_id(kind: str) -> str:
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None, choice: int,
-                    stop_ids: tuple[int, ...]) -> SamplingParams:
+                    stop_ids: tuple[int, ...], bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+    """``bias``: the request's ``logit_bias`` as ``logit_bias_of`` checked it against the vocabulary."""
     seed = None if body.seed is None else (body.seed + choice) % 2**63
     try:
         return SamplingParams(
@@ -87,7 +89,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, min_p=body.min_p or 0.0,
             seed=seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, min_tokens=min(body.min_tokens, max_tokens),
-            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs)
+            stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, logprobs=logprobs, logit_bias=bias)
     except SamplingError as exc:
         raise APIError(400, str(exc)) from exc
 
@@ -117,6 +119,30 @@ def _stop_ids(state: ServerState, body: SamplingFields) -> tuple[int, ...]:
     return ids
 
 
+def logit_bias_of(state: ServerState, body: SamplingFields) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs, sorted; a key that is not a token id of this vocabulary or
+    a bias outside [-100, 100] is a 400 naming it (OpenAI's rules: a silently dropped entry would let a
+    ban the client relies on pass unnoticed)."""
+    pairs = []
+    vocab = state.tokenizer.vocab_size
+    for key, bias in (body.logit_bias or {}).items():
+        text = key.strip()
+        if re.fullmatch(r"-?[0-9]+", text) is None:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id; keys are token ids written as decimal "
+                           "strings, e.g. {\"50256\": -100}", param="logit_bias")
+        token = int(text)
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary (0..{vocab - 1})",
+                           param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias for token {token} is {bias:g}; a bias must be in [-100, 100]",
+                           param="logit_bias")
+        pairs.append((token, float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise APIError(400, "logit_bias names the same token id twice", param="logit_bias")
+    return tuple(sorted(pairs))
+
+
 def _include_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
@@ -132,8 +158,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def chat_setup_of(state: ServerState, body: ChatControls, messages: list[dict]) -> ChatSetup:
-    """``chat_request.chat_setup`` with this server's default thinking mode."""
-    return chat_setup(body, messages, state.limits.default_thinking == "on")
+    """``chat_request.chat_setup`` with this server's default thinking mode and effort edition."""
+    return chat_setup(body, messages, state.limits.default_thinking == "on", state.chat_edition)
 
 
 async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id: str, key_name: str = "") -> Job:
@@ -148,10 +174,11 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id
     prompt, images = await state.run_blocking(prompt_ids, state, setup)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    stop_ids = _stop_ids(state, body)
+    stop_ids, bias = _stop_ids(state, body), logit_bias_of(state, body)
     spec = constrained.spec_of(setup, body)
     budget = constrained.reasoning_budget(setup, body.max_reasoning_tokens, max_tokens, spec is not None)
-    params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids), max_reasoning_tokens=budget)
+    params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias),
+                                  max_reasoning_tokens=budget)
               for i in range(body.n)]
     grammars = await state.run_blocking(constrained.matchers, state, setup, spec, body.n, budget)
     return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
@@ -201,19 +228,21 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise APIError(400, "best_of other than 1 is not supported", param="best_of", code="unsupported_parameter")
-    prompts = await state.run_blocking(completion_prompts, state, body.prompt)
+    prompts = await state.run_blocking(completion_prompts, state, body.prompt, body.add_special_tokens)
     if len(prompts) * body.n > 64:
         raise APIError(400, "at most 64 choices (prompts x n) per request", param="prompt")
     max_tokens = _max_tokens(state, body.max_tokens, max(len(p) for p in prompts))
-    stop_ids = _stop_ids(state, body)
+    stop_ids, bias = _stop_ids(state, body), logit_bias_of(state, body)
     logprobs = body.logprobs
-    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids) for _ in prompts for i in range(body.n)]
+    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids, bias) for _ in prompts for i in range(body.n)]
     return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
                logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body),
                key_name=key_name, cache_salt=tenant_salt(key_name, body.cache_salt))
 
 
-def completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
+def completion_prompts(state: ServerState, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:
+    """Ids of each completion prompt: text through ``render_completion`` (BOS unless
+    ``add_special_tokens`` is false), token-id prompts as sent."""
     tok = state.tokenizer
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -224,10 +253,10 @@ def completion_prompts(state: ServerState, prompt: str | list) -> list[list[int]
     out = []
     for i, p in enumerate(prompt):
         try:
-            ids = render_completion(tok, p) if isinstance(p, str) else list(p)
+            ids = render_completion(tok, p, add_special_tokens) if isinstance(p, str) else list(p)
         except ChatFormatError as exc:
             raise APIError(400, str(exc), param="prompt") from exc
-        if not ids or (isinstance(p, str) and len(ids) == 1 and not p):
+        if not ids or (isinstance(p, str) and not p):
             raise APIError(400, f"prompt[{i}] is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < tok.vocab_size]
         if bad:

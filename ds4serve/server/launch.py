@@ -16,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from ..chat import Tokenizer
+from ..chat.edition import choose_edition
 from ..runtime import EngineLoop, load_core
 from ..runtime.parallel import ParallelSettings
 from ..settings import EngineSettings
@@ -45,15 +46,19 @@ def build_state(model_dir: Path, *, device: str = "cpu", dtype: str = "float32",
                 served_name: str | None = None,
                 random_weights: bool = False, vision_device: str | None = None,
                 image_hosts: tuple[str, ...] = (), packed_experts: bool | str = "auto",
-                parallel: ParallelSettings | None = None) -> ServerState:
+                parallel: ParallelSettings | None = None, chat_encoding: str | None = None) -> ServerState:
+    """``chat_encoding``: the effort edition (``--chat-encoding``); None: the checkpoint's (``chat.edition``)."""
     tokenizer = Tokenizer(model_dir)
+    edition = choose_edition(model_dir, chat_encoding)  # before the weights load: a wrong name fails fast
     loop = EngineLoop(load_core(model_dir, device=device, dtype=dtype, settings=settings, vision_device=vision_device,
                                 extra_eos=(tokenizer.eos_id,), packed_experts=packed_experts, parallel=parallel))
     # a rank died (tensor-parallel): stop the server (uvicorn's shutdown answers waiting clients)
     loop.on_rank_lost(lambda why: os.kill(os.getpid(), signal.SIGTERM))
     name = served_name or model_dir.name
     state = ServerState(loop=loop, tokenizer=tokenizer, model_id=name, limits=limits or ServerLimits(),
-                        api_key=api_key, api_keys=api_keys, random_weights=random_weights)
+                        api_key=api_key, api_keys=api_keys, random_weights=random_weights,
+                        chat_edition=edition.edition)
+    log.info("chat encoding: effort prompts of edition %r (%s)", edition.edition, edition.reason)
     vision = loop.model_config.vision
     if vision.enabled:
         from ..multimodal.fetch import FetchPolicy  # noqa: PLC0415 - only for vision checkpoints

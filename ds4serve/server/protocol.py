@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies (pydantic), with the limits the server enforces.
 
 Unknown fields are allowed through pydantic and then sorted by ``check_extra_fields``: fields that
-would change the meaning of the answer (``logit_bias``, ``structured_outputs``...) are a 400 naming
+would change the meaning of the answer (``structured_outputs``, ``guided_json``...) are a 400 naming
 the field; the rest are logged once and ignored. The DS4 chat controls (``ChatControls``: thinking,
 effort, tools, tool_choice, response_format) are declared fields, honoured or refused by
 ``chat_request``.
@@ -144,6 +144,8 @@ class SamplingFields(ValidUnicode):
     skip_special_tokens: bool = True
     # vLLM's prefix-cache salt: requests reuse cached prompt state only within one salt (and one API key)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    # OpenAI: token id (a decimal string) -> bias in [-100, 100]; checked against the vocabulary by jobs
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -169,6 +171,7 @@ class ChatControls(BaseModel):
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=512)
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the tool grammar closes after it)
 
 
 class ChatCompletionRequest(SamplingFields, ChatControls):
@@ -188,6 +191,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: BOS before a text prompt (false: none); specials in it match either way
 
 
 def _surrogate_at(s: str) -> int | None:
@@ -242,13 +246,11 @@ _MEANING = {
     "thinking_token_budget": lambda v: v is None,
     "thinking_budget": lambda v: v is None,
     "include_reasoning": lambda v: v in (None, True),
-    "parallel_tool_calls": lambda v: v in (None, True),
     "echo": lambda v: not v,  # vLLM chat: echo the last message
     "add_generation_prompt": lambda v: v in (None, True),
     "continue_final_message": lambda v: not v,  # use DeepSeek's "prefix": true on the last message
     "chat_template": lambda v: v is None,
     "documents": lambda v: not v,
-    "logit_bias": lambda v: not v,
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
     "prediction": lambda v: v is None,

@@ -11,7 +11,7 @@ so tools, images, ``json_schema`` and thinking behave exactly as there. The fiel
 * ``reasoning.effort`` -> ``reasoning_effort`` (``none`` turns DS4 thinking off, any other effort on;
   without it the server's ``--default-thinking`` decides).
 * ``max_output_tokens`` -> ``max_completion_tokens``; ``temperature``, ``top_p``, ``user`` as they are;
-  ``parallel_tool_calls: false`` is handed on and honoured or refused by the chat path.
+  ``parallel_tool_calls: false`` is handed on to the chat path, whose tool grammar then allows one call.
 
 A 400 the chat path raises names chat fields (``messages[2].content[0]``); ``responses_error``
 rewrites them to the Responses field they came from (``input[3].content[0]``).

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from ..chat import Tokenizer
+from ..chat.dsml import DEFAULT_EFFORT_EDITION
 from ..runtime import EngineLoop
 from .keys import ApiKeys
 from .limits import ServerLimits
@@ -43,6 +44,7 @@ class ServerState:
     api_key: str | None = field(default=None, repr=False)
     api_keys: Mapping[str, str] | None = field(default=None, repr=False)
     random_weights: bool = False
+    chat_edition: str = DEFAULT_EFFORT_EDITION  # the checkpoint's effort prompts (``chat.edition``)
     metrics: Metrics = field(default=None)  # type: ignore[assignment]  # built for model_id when not given
     image_pipeline: ImagePipeline | None = None  # multimodal preprocessing (DS4V); None for text-only models
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "ds4serve-prep"))

@@ -30,7 +30,7 @@ class _Strict(ValidUnicode, ChatControls):
 class TokenizeRequest(_Strict):
     prompt: str | None = Field(default=None, max_length=4_000_000)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
-    add_special_tokens: bool = True  # a prompt: BOS first, as /v1/completions renders it
+    add_special_tokens: bool = True  # a prompt: BOS first, as /v1/completions renders it (same flag there)
     return_token_strs: bool = False
 
 
@@ -56,8 +56,9 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
         if any(v is not None for v in (body.chat_template_kwargs, body.thinking, body.reasoning_effort,
                                        body.tools, body.tool_choice, body.response_format)):
             raise APIError(400, "chat options need 'messages', not 'prompt'", param="prompt")
-        ids = completion_prompts(state, body.prompt)[0] if body.prompt else [state.tokenizer.bos_id]
-        return ids if body.add_special_tokens else ids[1:]
+        if not body.prompt:
+            return [state.tokenizer.bos_id] if body.add_special_tokens else []
+        return completion_prompts(state, body.prompt, body.add_special_tokens)[0]
     return prompt_ids(state, chat_setup_of(state, body, chat_messages(body.messages)))[0]
 
 
