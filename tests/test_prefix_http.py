@@ -144,7 +144,7 @@ def test_why_the_cache_point_is_one_before_the_end(srv):
     assert user_turn_end(srv.state, ChatSetup(turn1, ChatOptions(thinking=False)), chat_mode) == ()
 
 
-def _access_line(caplog, cached_tokens: int, timeout: float = 5.0):
+def _access_line(caplog, cached_tokens: int, timeout: float = 30.0):
     """The chat access-log record with ``cached_tokens`` (the log is written after the response is sent,
     so the first request's line can land inside the capture late, and the second's a moment after the
     client returns); the last chat record if none matches in time."""
