@@ -70,10 +70,25 @@ class LLM:
         """``generate``, and for each prompt the per-token log-probabilities the sampler reported: with
         ``logprobs=k``, ``(chosen token's logprob, ((id, logprob) x k))`` per new token, else empty."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
+        return [(list(r.output_ids), list(r.output_logprobs)) for r in self._run(prompts, params)]
+
+    def score_prompts(self, prompts: Sequence[Sequence[int]], top: int = 0, max_tokens: int = 0,
+                      **sampling) -> list[list]:
+        """Every prompt's prompt logprobs as the batched steps compute them (``prompt_logprobs=top``): per
+        prompt ``[None, (logprob, rank, ((id, logprob) x top)), ...]``, one entry per prompt token. With
+        ``max_tokens`` 0 nothing is generated; otherwise generation runs beside it as in ``generate``."""
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=top, **{"temperature": 0.0, **sampling})
+        outs: dict[str, tuple] = {}
+        reqs = self._run(prompts, params, outs)
+        return [list(outs[r.request_id]) for r in reqs]
+
+    def _run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_lps: dict | None = None) -> list:
+        """Submit every prompt and step the engine until all finish; a failed request raises. ``prompt_lps``
+        collects each request's prompt logprobs (they ride on its first output)."""
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            self.core.scheduler.check_fits(len(p), max_tokens)
+            self.core.scheduler.check_fits(len(p), params.max_tokens)
         reqs = [self.core.make_request(p, params) for p in prompts]
         todo = deque(reqs)
         while todo or self.core.has_work:
@@ -86,10 +101,16 @@ class LLM:
             for out in self.core.step():
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-        return [(list(r.output_ids), list(r.output_logprobs)) for r in reqs]
+                if out.prompt_logprobs is not None and prompt_lps is not None:
+                    prompt_lps[out.request_id] = out.prompt_logprobs
+        return reqs
 
-    def prompt_logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """fp32 logits ``[len(ids), vocab]`` of one prompt (chunks of ``max_prefill_tokens``)."""
+    def prompt_logits(self, ids: Sequence[int], engine: bool = False) -> torch.Tensor:
+        """fp32 logits ``[len(ids), vocab]`` of one prompt (chunks of ``max_prefill_tokens``).
+
+        ``engine`` False: the torch forward and head (the reference the native forward is checked against);
+        True: the serving engine's own forward and head (native where it runs), one chunk per forward, so
+        its rows are the bits the steps' prompt logprobs start from (``Engine.prompt_logits``)."""
         ids = list(ids)
         if not ids:
             raise ValueError("empty prompt")
@@ -105,8 +126,9 @@ class LLM:
                 piece = ids[start:start + chunk]
                 if not cache.reserve({slot: start + len(piece)}):
                     raise RuntimeError("not enough cache pages for this prompt")
-                outs.append(self.runner.forward([SeqChunk(slot, start, piece, cache.block_table(slot))],
-                                                all_logits=True))
+                chunks = [SeqChunk(slot, start, piece, cache.block_table(slot))]
+                outs.append(self.core.engine.prompt_logits(chunks) if engine
+                            else self.runner.forward(chunks, all_logits=True))
         finally:
             cache.drop(slot)
         return torch.cat(outs)

@@ -60,7 +60,7 @@ def test_generate_rejects_bad_input(llm_factory):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], max_tokens=3)
     with pytest.raises(ValueError, match="max_tokens"):
-        llm.generate([[1]], max_tokens=0)
+        llm.generate([[1]], max_tokens=-1)
     with pytest.raises(ValueError, match="context limit"):
         llm.generate([[1] * 10], max_tokens=10**6)
 

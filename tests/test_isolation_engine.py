@@ -168,17 +168,17 @@ def test_an_engine_exception_inside_a_pass_slice(llms, work, monkeypatch, persis
     hits = []
     target: dict = {}
 
-    def advance(p, rows, owners):
+    def advance(p, rows, owners, *scored):
         if (p.layer_start > 0 or persistent) and any(m.request_id == target["rid"] for m in p.members):
             hits.append(p.pass_id)
             raise RuntimeError("injected fault in a layer slice")
-        return real_advance(p, rows, owners)
+        return real_advance(p, rows, owners, *scored)
 
-    def merged(decodes, whole, rows, owners):
+    def merged(decodes, whole, rows, owners, *scored):
         if persistent and any(m.request_id == target["rid"] for p in whole for m in p.members):
             hits.append("whole")
             raise RuntimeError("injected fault in a layer slice")
-        return real_merged(decodes, whole, rows, owners)
+        return real_merged(decodes, whole, rows, owners, *scored)
 
     monkeypatch.setattr(engine, "_advance", advance)
     monkeypatch.setattr(engine, "_merged_forward", merged)

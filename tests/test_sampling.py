@@ -128,8 +128,9 @@ def test_non_finite_row_fails_alone():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(min_p=2),
-                                dict(presence_penalty=3), dict(repetition_penalty=0), dict(max_tokens=0),
-                                dict(min_tokens=5, max_tokens=2), dict(logprobs=21)])
+                                dict(presence_penalty=3), dict(repetition_penalty=0), dict(max_tokens=-1),
+                                dict(min_tokens=5, max_tokens=2), dict(logprobs=21),
+                                dict(prompt_logprobs=21), dict(prompt_logprobs=-1)])
 def test_bad_params_are_rejected(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)

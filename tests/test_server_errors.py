@@ -67,7 +67,7 @@ CASES = [
     ("image in assistant turn", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}, {"role": "user", "content": "b"}]), {}, 400, "text"),
     ("stop_token_ids out of vocab", "POST", "/v1/chat/completions", chat(stop_token_ids=[10**6]), {}, 400, "stop_token_ids"),
     ("oversized body", "POST", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * 300_000 + b'"}]}', {}, 413, "request_too_large"),
-    ("completions echo", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "echo": True}, {}, 400, "echo"),
+    ("completions max_tokens 0 without echo", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, {}, 400, "echo=true"),
     ("completions suffix", "POST", "/v1/completions", {"model": "tiny", "prompt": "a", "suffix": "z"}, {}, 400, "suffix"),
     ("completions bad token ids", "POST", "/v1/completions", {"model": "tiny", "prompt": [1, -5]}, {}, 400, "prompt"),
     ("completions empty prompt list", "POST", "/v1/completions", {"model": "tiny", "prompt": []}, {}, 400, "prompt"),

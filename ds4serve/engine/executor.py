@@ -31,6 +31,7 @@ from .decode_graphs import DecodeRunner, resolve_mode
 from .drafted import row_states, settle
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
+from .prompt_scoring import ScoredRows, keep_rows, score
 from .sampling import sample_rows
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class Engine:
         for pass_id in plan.retired:
             self.cancel_pass(pass_id)
         try:
-            tokens, progress = self._execute(plan)
+            tokens, progress, prompt = self._execute(plan)
         except Exception as exc:  # one bad step fails its requests, not the engine
             log.exception("step %d failed (%d decoders, %d pass slices)", plan.step_id, len(plan.decodes),
                           len(plan.passes))
@@ -161,8 +162,8 @@ class Engine:
                 self._passes.pop(p.pass_id, None)
             return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
                               error=f"{type(exc).__name__}: {exc}", elapsed_s=time.perf_counter() - t0)
-        return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress,
-                          elapsed_s=time.perf_counter() - t0)
+        return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress, elapsed_s=time.perf_counter() - t0,
+                          prompt_logprobs=prompt)
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, plan: StepPlan):
@@ -171,20 +172,31 @@ class Engine:
         sliced = [p for p in plan.passes if p not in whole]
         rows: list[torch.Tensor] = []  # hidden streams of rows to sample, in ``owners`` order
         owners: list[_Owner] = []
+        scored: list[ScoredRows] = []  # prompt rows to score (``prompt_scoring``), members that ask only
         saved = None
         if plan.decodes or whole:
-            saved = self._merged_forward(plan.decodes, whole, rows, owners)
+            saved = self._merged_forward(plan.decodes, whole, rows, owners, scored)
         progress = [PassProgress(p.pass_id, L, True) for p in whole]
         for p in sliced:
-            progress.append(self._advance(p, rows, owners))
+            progress.append(self._advance(p, rows, owners, scored))
         tokens = self._sample(rows, owners)
         if saved is not None:  # the rejected tail of every draft leaves no trace in the rings
             accepted = {t.slot: len(t.accepted) for t in tokens}
             saved.restore([accepted.get(s.slot, 0) for s in saved.spans])
-        return tuple(tokens), tuple(progress)
+        return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else ()
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """The LM head the steps sample with: native where the host forward runs, else torch."""
+        return self.host.logits(streams) if self.host is not None else self.model.logits(streams)
+
+    @torch.inference_mode()
+    def prompt_logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """fp32 logits of every row of ``chunks`` through this engine's own forward and head (the reference
+        the steps' prompt logprobs are exact against; ``LLM.prompt_logits(engine=True)``)."""
+        return self.head(self._forward(self._view(chunks)))
 
     def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows,
-                        owners) -> SavedRings | None:
+                        owners, scored: list[ScoredRows]) -> SavedRings | None:
         """Every decoder (with its draft) and every whole pass in one forward; returns the ring rows the
         drafts overwrite (``draft_rows``), saved before the forward, or None without drafts."""
         chunks = [SeqChunk(d.slot, d.position, (d.token, *d.draft), self.cache.block_table(d.slot)) for d in decodes]
@@ -202,8 +214,10 @@ class Engine:
         streams = self.decode.run(view, len(chunks)) if graphs else None
         if streams is None:
             streams = self._forward(view)
-        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0)
-        pick = [r for e, w in zip(ends.tolist(), want) if w is not None for r in range(e - w.rows, e)]
+        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0).tolist()
+        for e, m in zip(ends[len(decodes):], [m for p in whole for m in p.members]):
+            keep_rows(m, streams, e - len(m.ids), scored)
+        pick = [r for e, w in zip(ends, want) if w is not None for r in range(e - w.rows, e)]
         if pick:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
             owners.extend(w for w in want if w is not None)
@@ -217,7 +231,7 @@ class Engine:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
                         captures=m.captures)
 
-    def _advance(self, p: PassSlice, rows, owners) -> PassProgress:
+    def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows]) -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
         st = self._passes.get(p.pass_id)
         if p.layer_start == 0:
@@ -244,8 +258,10 @@ class Engine:
             self._store_staging(st.members, streams)
             return PassProgress(p.pass_id, st.cursor, False)
         self._passes.pop(p.pass_id, None)
-        ends = torch.cumsum(torch.tensor([len(m.ids) for m in p.members]), 0) - 1
-        pick = [int(e) for e, m in zip(ends, p.members) if m.sample]
+        ends = (torch.cumsum(torch.tensor([len(m.ids) for m in p.members]), 0) - 1).tolist()
+        for e, m in zip(ends, p.members):
+            keep_rows(m, streams, e + 1 - len(m.ids), scored)
+        pick = [e for e, m in zip(ends, p.members) if m.sample]
         if pick:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
             owners.extend(_Owner(m.request_id, m.slot, m.sampler) for m in p.members if m.sample)
@@ -288,7 +304,7 @@ class Engine:
         if not owners or not self.sample:
             return []
         streams = torch.cat(rows) if len(rows) > 1 else rows[0]
-        logits = self.host.logits(streams) if self.host is not None else self.model.logits(streams)
+        logits = self.head(streams)
         draws = sample_rows(logits, [s for o in owners for s in row_states(o.sampler, o.draft, logits.device)])
         out, start = [], 0
         for o in owners:

@@ -4,7 +4,9 @@ The boundary: each iteration the scheduler hands the engine one frozen ``StepPla
 one frozen ``StepResult``. The plan lists every live decoder exactly once (one token fed, one token
 sampled) and slices of prefill *passes* (a pass is a prefill in flight; a slice advances it over a
 range of layers). The engine executes the plan and reports one sampled token per decoder, one per
-pass member whose prompt ended when its pass completed, and the layer cursor of every pass.
+pass member whose prompt ended when its pass completed, and the layer cursor of every pass. A member
+that asks for prompt logprobs (``PassMember.prompt_logprobs``) also gets, when its pass completes, the
+raw logprob of each of its ``targets`` (``PromptLogprobs``): the LM head runs over all its rows.
 
 Rules:
 * One thread owns model state: the engine loop calls ``Engine.step`` and nothing else touches the
@@ -57,6 +59,11 @@ class PassMember:
     # prefix-cache snapshots strictly inside the chunk: (position, snapshot arena entry), filled by the
     # forward (cache.view.SeqChunk.captures)
     captures: tuple[tuple[int, int], ...] = ()
+    # prompt logprobs: None, or how many top alternatives to report per scored row. ``targets[i]`` is the
+    # prompt token at ``start + i + 1`` (only rows whose next token lies in the prompt are scored), so the
+    # head runs over the first ``len(targets)`` rows of the chunk, not only its last
+    prompt_logprobs: int | None = None
+    targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,20 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A member's scored rows, reported when its pass completes: entry ``i`` scores the prompt token at
+    ``start + i + 1`` as ``(logprob, rank, ((token, logprob), ...) best first)``, from the raw logits
+    (log_softmax, as ``SampledToken.logprob``); rank 1 is the most likely token. ``error``: its logits
+    were not finite (then ``entries`` is empty and the request fails alone)."""
+
+    request_id: str
+    slot: int
+    start: int
+    entries: tuple[tuple[float, int, tuple[tuple[int, float], ...]], ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class PassProgress:
     pass_id: int
     layer_cursor: int  # layers done so far
@@ -143,6 +164,7 @@ class StepResult:
     status: StepStatus = StepStatus.OK
     error: str | None = None
     elapsed_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per member that asked, when its pass completed
 
 
 def validate_plan(plan: StepPlan, num_layers: int) -> str:
@@ -211,7 +233,7 @@ def validate_step_result(plan: StepPlan, result: StepResult, num_layers: int) ->
     if result.step_id != plan.step_id:
         return f"result for step {result.step_id} answers plan {plan.step_id}"
     if result.status is StepStatus.FAILED:
-        return "" if result.tokens == () else "a failed step must not report tokens"
+        return "" if result.tokens == () and result.prompt_logprobs == () else "a failed step must not report tokens"
     expected: dict[int, str] = {row.slot: row.request_id for row in plan.decodes}
     drafts = {row.slot: row.draft for row in plan.decodes}
     for p in plan.passes:
@@ -247,4 +269,27 @@ def validate_step_result(plan: StepPlan, result: StepResult, num_layers: int) ->
                     f"{p.layer_stop} of {num_layers}")
     if reported != set(planned_passes):
         return f"passes without progress: {sorted(set(planned_passes) - reported)}"
-    return ""
+    return _prompt_logprobs_problem(plan, result, num_layers)
+
+
+def _prompt_logprobs_problem(plan: StepPlan, result: StepResult, num_layers: int) -> str:
+    """Every member asking for prompt logprobs (with rows to score) whose pass completes is answered
+    once, for its rows."""
+    expected = {m.slot: m for p in plan.passes if p.layer_stop == num_layers for m in p.members
+                if m.prompt_logprobs is not None and m.targets}
+    got: set[int] = set()
+    for pl in result.prompt_logprobs:
+        m = expected.get(pl.slot)
+        if m is None or m.request_id != pl.request_id:
+            return f"prompt logprobs for unplanned slot {pl.slot} ({pl.request_id})"
+        if pl.slot in got:
+            return f"prompt logprobs for slot {pl.slot} ({pl.request_id}) reported twice"
+        got.add(pl.slot)
+        if pl.start != m.start:
+            return f"slot {pl.slot}: prompt logprobs start at {pl.start}, the chunk at {m.start}"
+        if pl.error is None and len(pl.entries) != len(m.targets):
+            return f"slot {pl.slot}: {len(pl.entries)} prompt logprobs for {len(m.targets)} scored rows"
+        if any(len(e[2]) != m.prompt_logprobs for e in pl.entries):
+            return f"slot {pl.slot}: a prompt logprob entry without exactly {m.prompt_logprobs} alternatives"
+    missing = [f"{m.request_id} (slot {s})" for s, m in expected.items() if s not in got]
+    return f"planned prompt logprobs missing: {', '.join(missing)}" if missing else ""

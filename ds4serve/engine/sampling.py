@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: the sampled token's logprob plus the top n
+    # vLLM's prompt_logprobs: None, or n >= 0: every prompt token's logprob (but the first's) plus the top n,
+    # computed in the prefill steps (``engine.prompt_scoring``); such a prompt never starts from a cache hit
+    prompt_logprobs: int | None = None
     # thinking budget: past this many output tokens still inside the reasoning, only </think> may come
     # (needs a constraint that knows the reasoning state; see constraints.py)
     max_reasoning_tokens: int | None = None
@@ -57,7 +60,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            # 0: score the prompt only (prompt logprobs, echo): the request ends after its prefill
+            (self.max_tokens >= 0, "max_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= -1, "top_k must be -1, 0 (disabled) or positive"),
@@ -67,6 +71,7 @@ class SamplingParams:
             (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (self.max_reasoning_tokens is None or self.max_reasoning_tokens >= 0,
              "max_reasoning_tokens must be >= 0"),
         ]

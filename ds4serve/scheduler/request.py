@@ -47,6 +47,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache (fixed at admission)
+    # prompt logprobs (``SamplingParams.prompt_logprobs``), on the request's first output only: one per prompt
+    # token, None for the first (nothing predicts it), then (logprob, rank, ((token, logprob), ...) best first)
+    prompt_logprobs: tuple[tuple[float, int, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
 
 @dataclass
@@ -82,6 +85,10 @@ class Request:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_skipped: int = 0  # steps its rate did not pay for a draft (scheduler.drafting's probe counts them)
+    # prompt logprobs as the prefill steps report them: entry i scores prompt token i + 1 (engine.plan's
+    # PromptLogprobs); delivered with the first output (``prompt_lp_sent``), never computed again after that
+    prompt_lp: list = field(default_factory=list)
+    prompt_lp_sent: bool = False
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +105,11 @@ class Request:
     def pending(self) -> int:
         """Input tokens not yet in the cache (1 for a decoder: its last sampled token)."""
         return self.total_len - self.computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not had them yet: its prefill scores every prompt row."""
+        return self.params.prompt_logprobs is not None and not self.prompt_lp_sent
 
     def input_ids(self, start: int, stop: int) -> tuple[int, ...]:
         n_prompt = len(self.prompt_ids)

@@ -56,9 +56,13 @@ class PrefixReuse:
         True on a hit.
 
         ``first``: its first admission (counted in the hit statistics and in ``cached_tokens``; a
-        recompute after a drop may hit too, but the user's prompt was looked up once)."""
+        recompute after a drop may hit too, but the user's prompt was looked up once).
+
+        A request still owed its prompt logprobs never hits: a hit skips computing the very positions it
+        asks to have scored (``prompt_scores``). It is not counted as a lookup either; it still stores
+        snapshots for others."""
         prefix = self.cache.prefix
-        if prefix is None:
+        if prefix is None or req.wants_prompt_logprobs:
             return False
         st = self._state(req)
         snap = prefix.lookup(st.keys, req.total_len - 1)  # at least one token left to compute

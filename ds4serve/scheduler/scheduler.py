@@ -33,6 +33,7 @@ from .drafting import DraftPolicy, record
 from .admission import QueueFull, RequestTooLarge, SchedulerLimits, fit_problem
 from .isolation import Quarantine
 from .passes import PassTable
+from . import prompt_scores
 from .pressure import MemoryPressure
 from .request import Request, RequestOutput, RequestStatus
 from .reuse import PrefixReuse
@@ -184,6 +185,8 @@ class Scheduler(MemoryPressure):
         req.status = RequestStatus.DECODING if req.pending == 1 else RequestStatus.PREFILLING
         self.running.append(req)
         self.running.sort(key=lambda r: r.arrival)
+        if prompt_scores.prompt_only_done(req):  # max_tokens 0 with nothing to compute (a one-token prompt)
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _plan_decodes(self, lane: int | None) -> list[DecodeRow]:
         while True:
@@ -264,8 +267,9 @@ class Scheduler(MemoryPressure):
         if req.images:
             images = tuple(im.rows for im, sp in zip(self._images(req), req.live_spans)
                            if lo <= sp.start and sp.end <= hi)
-        return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=n == req.pending,
-                          sampler=req.sampler, spans=req.spans, images=images, captures=self.reuse.captures(req, lo, hi))
+        return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=prompt_scores.samples(req, n),
+                          sampler=req.sampler, spans=req.spans, images=images, captures=self.reuse.captures(req, lo, hi),
+                          **prompt_scores.scoring(req, lo, hi))
 
     def _image_chunk(self, req: Request, budget: int) -> tuple[int, bool]:
         """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
@@ -298,15 +302,22 @@ class Scheduler(MemoryPressure):
         if result.status is StepStatus.FAILED:
             self._undo_failed_step(plan, result.error or "unknown error")
             return self.take_outputs()
+        # prompt logprobs before anything emits: they go out with the request's first output
+        bad = {pl.request_id: err for pl in result.prompt_logprobs
+               if (err := prompt_scores.fold(self.requests[pl.request_id], pl)) is not None}
         accepted = {t.slot: len(t.accepted) for t in result.tokens}
         for d in plan.decodes:  # its token and the accepted part of its draft are in the cache now
             req = self.requests[d.request_id]
             req.computed += 1 + accepted.get(d.slot, 0)
             if d.draft:
                 self._count_draft(req, d.draft, accepted.get(d.slot, 0))
-        advanced = [r for p in plan.passes for r in self._advance_pass(p)]
+        advanced = [r for p in plan.passes for r in self._advance_pass(p, bad)]
+        for rid, err in bad.items():  # its pass is folded in (nothing of it is left in flight): fail it alone
+            self._finish(self.requests[rid], RequestStatus.FINISHED_ERROR, error=err)
         for tok in result.tokens:
-            req = self.requests[tok.request_id]
+            req = self.requests.get(tok.request_id)
+            if req is None:  # failed just above
+                continue
             if tok.status is RowStatus.FAILED:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
                 continue
@@ -379,8 +390,9 @@ class Scheduler(MemoryPressure):
         self.parked.sort(key=lambda r: r.arrival)
         self.stats["recomputed_after_failure"] += 1
 
-    def _advance_pass(self, p: PassSlice) -> list[Request]:
-        """Fold a slice in; returns the members whose pass completed (their chunk is in the cache)."""
+    def _advance_pass(self, p: PassSlice, bad: dict[str, str]) -> list[Request]:
+        """Fold a slice in; returns the members whose pass completed (their chunk is in the cache).
+        ``bad``: members whose prompt logprobs failed (``apply`` fails them next; none finishes here)."""
         if not self.passes.advanced(p):
             return []
         done = []
@@ -389,7 +401,11 @@ class Scheduler(MemoryPressure):
             req.pass_id = None
             req.computed += len(m.ids)
             done.append(req)
-            if not req.status.finished and req.pending == 1 and not m.sample:
+            if req.status.finished:
+                continue
+            if prompt_scores.prompt_only_done(req) and req.request_id not in bad:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+            elif req.pending == 1 and not m.sample:
                 req.status = RequestStatus.DECODING
         return done
 
@@ -424,7 +440,8 @@ class Scheduler(MemoryPressure):
         self._outputs.append(RequestOutput(
             request_id=req.request_id, new_token_ids=tokens, logprobs=logprobs, finished=req.status.finished,
             finish_reason=req.status.finish_reason, error=req.error, prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens))
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            prompt_logprobs=prompt_scores.take(req)))
 
     def _finish(self, req: Request, status: RequestStatus, error: str | None = None, new=None) -> None:
         """End a request and free everything it holds (slot, pages, snapshot, pass, image rows)."""

@@ -33,6 +33,7 @@ class Event:
     reasoning_tokens: int = 0  # of those, tokens of reasoning (chat, thinking mode)
     cached: int = 0  # the choice's prompt tokens served from the prefix cache
     stop: str | None = None  # the stop string that ended the choice (finish_reason "stop" by a stop string)
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, on the choice's first event (prompt_echo.py)
 
 
 def usage_of(job: Job, completion: list[int], reasoning: list[int]) -> dict:
@@ -72,7 +73,10 @@ class StreamFrames:
         if not chunks:
             return None
         self.started.add(ev.index)
-        return "".join(_frame(self._envelope([c])) for c in chunks)
+        frames = [self._envelope([c]) for c in chunks]
+        if ev.prompt_logprobs is not None:  # vLLM: on the choice (completions), on the chunk (chat)
+            (frames[0] if self.job.kind == "chat" else frames[0]["choices"][0])["prompt_logprobs"] = ev.prompt_logprobs
+        return "".join(_frame(f) for f in frames)
 
     def _envelope(self, choices: list[dict]) -> dict:
         body = {"id": self.job.request_id, "object": self.obj, "created": self.created, "model": self.model_id,
@@ -105,9 +109,12 @@ class Collected:
         self.finish: list[str | None] = [None] * n
         self.completion = [0] * n
         self.reasoning = [0] * n
+        self.prompt_lps: list[list | None] = [None] * n
 
     def add(self, ev: Event) -> None:
         self.texts[ev.index] += ev.text
+        if ev.prompt_logprobs is not None:
+            self.prompt_lps[ev.index] = ev.prompt_logprobs
         for d in ev.deltas:
             self.parsed[ev.index].add(d)
         self.lps[ev.index] += ev.logprobs
@@ -124,16 +131,22 @@ class Collected:
         job = self.job
         choices = [self._choice(i) for i in range(len(job.params))]
         obj = "chat.completion" if job.kind == "chat" else "text_completion"
-        return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": model_id,
+        body = {"id": job.request_id, "object": obj, "created": int(time.time()), "model": model_id,
                 "choices": choices, "usage": usage_of(job, self.completion, self.reasoning)}
+        if job.kind == "chat" and job.prompt_logprobs is not None:  # vLLM: one prompt, on the response
+            body["prompt_logprobs"] = self.prompt_lps[0]
+        return body
 
     def _choice(self, i: int) -> dict:
         job, text, lps, finish = self.job, self.texts[i], self.lps[i], self.finish[i]
         if job.kind == "chat":
             return {"index": i, "message": message_of(self.parsed[i]),
                     "logprobs": _chat_logprobs(lps) if job.logprobs is not None else None, "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": _completion_logprobs(lps) if job.logprobs is not None else None,
-                "finish_reason": finish}
+        choice = {"index": i, "text": text,
+                  "logprobs": _completion_logprobs(lps) if job.logprobs is not None else None, "finish_reason": finish}
+        if job.prompt_logprobs is not None:  # vLLM: per choice
+            choice["prompt_logprobs"] = self.prompt_lps[i]
+        return choice
 
 
 def _chat_chunks(job: Job, ev: Event, first: bool) -> list[dict]:
@@ -161,8 +174,10 @@ def _completion_logprobs(entries: list[dict]) -> dict:
     for e in entries:
         offsets.append(pos)
         pos += len(e["token"])
+    # an echoed prompt's first token has neither a logprob nor alternatives: null in both lists
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": offsets}
 
 

@@ -55,6 +55,8 @@ class Job:
     cache_salt: str = ""  # the prefix-cache salt handed to the engine (keys.tenant_salt)
     cache_points: tuple[int, ...] = ()  # extra prefix-snapshot positions (chat in thinking mode)
     cached: list[int] = field(default_factory=list)  # per choice: prompt tokens from the prefix cache
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output (prompt_echo.py)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top N, None when not asked
 
     @property
     def log_id(self) -> str:
@@ -178,13 +180,14 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id
     spec = constrained.spec_of(setup, body)
     budget = constrained.reasoning_budget(setup, body.max_reasoning_tokens, max_tokens, spec is not None)
     params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias),
-                                  max_reasoning_tokens=budget)
+                                  max_reasoning_tokens=budget, prompt_logprobs=body.prompt_logprobs)
               for i in range(body.n)]
     grammars = await state.run_blocking(constrained.matchers, state, setup, spec, body.n, budget)
     return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
                body.stream, _include_usage(body), time.monotonic(), images=images, chat=setup,
                continuous_usage=continuous, constraints=grammars, key_name=key_name,
-               cache_salt=tenant_salt(key_name, body.cache_salt), cache_points=user_turn_end(state, setup, prompt))
+               cache_salt=tenant_salt(key_name, body.cache_salt), cache_points=user_turn_end(state, setup, prompt),
+               prompt_logprobs=body.prompt_logprobs)
 
 
 def user_turn_end(state: ServerState, setup: ChatSetup, prompt: list[int]) -> tuple[int, ...]:
@@ -222,8 +225,6 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
     """``key_name``: as for ``build_chat``."""
     check_extra_fields(body, "completions")
     _check_model(state, body)
-    if body.echo:
-        raise APIError(400, "echo=true is not supported", param="echo", code="unsupported_parameter")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     if body.best_of not in (None, 1):
@@ -231,13 +232,26 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
     prompts = await state.run_blocking(completion_prompts, state, body.prompt, body.add_special_tokens)
     if len(prompts) * body.n > 64:
         raise APIError(400, "at most 64 choices (prompts x n) per request", param="prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo=true, to score the prompt)",
+                       param="max_tokens")
     max_tokens = _max_tokens(state, body.max_tokens, max(len(p) for p in prompts))
     stop_ids, bias = _stop_ids(state, body), logit_bias_of(state, body)
     logprobs = body.logprobs
-    params = [sampling_params(body, max_tokens, logprobs, i, stop_ids, bias) for _ in prompts for i in range(body.n)]
+    scored = prompt_scoring(body.prompt_logprobs, logprobs if body.echo else None)
+    params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias), prompt_logprobs=scored)
+              for _ in prompts for i in range(body.n)]
     return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
                logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body),
-               key_name=key_name, cache_salt=tenant_salt(key_name, body.cache_salt))
+               key_name=key_name, cache_salt=tenant_salt(key_name, body.cache_salt), echo=body.echo,
+               prompt_logprobs=body.prompt_logprobs)
+
+
+def prompt_scoring(prompt_logprobs: int | None, echo_logprobs: int | None) -> int | None:
+    """How many alternatives the engine reports per prompt token: enough for vLLM's ``prompt_logprobs``
+    and for echo with ``logprobs`` (None: the prompt is not scored, so its prefill may hit the cache)."""
+    asked = [n for n in (prompt_logprobs, echo_logprobs) if n is not None]
+    return max(asked) if asked else None
 
 
 def completion_prompts(state: ServerState, prompt: str | list, add_special_tokens: bool = True) -> list[list[int]]:

@@ -146,6 +146,8 @@ class SamplingFields(ValidUnicode):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
     # OpenAI: token id (a decimal string) -> bias in [-100, 100]; checked against the vocabulary by jobs
     logit_bias: dict[str, float] | None = None
+    # vLLM's: every prompt token's logprob (but the first's) plus the top N, as the answer's ``prompt_logprobs``
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -186,9 +188,9 @@ class ChatCompletionRequest(SamplingFields, ChatControls):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo (jobs.build_completion says so)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt (and with logprobs, its tokens' logprobs) before the output
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's: BOS before a text prompt (false: none); specials in it match either way

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..chat import IncrementalDetokenizer, StopMatcher
 from ..runtime import FatalStepError, QueueFull, RequestOutput, RequestStream, RequestTooLarge
+from . import prompt_echo
 from .access_log import record_of
 from .chat_stream import ChatChoice
 from .frames import Collected, Event, StreamFrames
@@ -56,6 +57,8 @@ class ChoiceStream:
         self.key_name = job.key_name
         self.last_token_at: float | None = None
         self.cached: int | None = None  # prompt tokens from the prefix cache, once the first output says
+        self.job = job
+        self.first = True  # the next output is the choice's first: it carries the prompt (echo, prompt_logprobs)
 
     def feed(self, out: RequestOutput) -> Event:
         self._observe(out)
@@ -65,6 +68,7 @@ class ChoiceStream:
         ids = [t for t in out.new_token_ids if not (ended_by_eos and t in eos)]
         finish = out.finish_reason if out.finished else None
         lps = self._logprobs(out, eos if ended_by_eos else ()) if self.logprobs is not None else []
+        head, head_lps, prompt_lps = self._prompt(out)
         if self.chat is not None:
             deltas = tuple(self.chat.feed(ids, finish is not None))
             if self.chat.stopped:
@@ -73,15 +77,34 @@ class ChoiceStream:
                 finish = self.chat.finish_reason(finish)
             return Event(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
                          (self.prompt_len, self.completion) if finish else None, deltas, self.completion,
-                         self.chat.reasoning_tokens, cached=out.cached_tokens, stop=self.chat.stops.matched)
+                         self.chat.reasoning_tokens, cached=out.cached_tokens, stop=self.chat.stops.matched,
+                         prompt_logprobs=prompt_lps)
         text = self.stops.feed(self.detok.push(ids))
         if self.stops.stopped:
             finish = "stop"
         elif finish is not None:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
-        return Event(self.index, text, tuple(out.new_token_ids), lps, finish, out.error,
+        return Event(self.index, head + text, tuple(out.new_token_ids), head_lps + lps, finish, out.error,
                      (self.prompt_len, self.completion) if finish else None, completion=self.completion,
-                     cached=out.cached_tokens, stop=self.stops.matched)
+                     cached=out.cached_tokens, stop=self.stops.matched, prompt_logprobs=prompt_lps)
+
+    def _prompt(self, out: RequestOutput) -> tuple[str, list[dict], list | None]:
+        """On a choice's first output: the echoed prompt's text and logprob entries (completions with
+        ``echo``), and vLLM's ``prompt_logprobs`` (see ``prompt_echo``); nothing on later outputs."""
+        if not self.first:
+            return "", [], None
+        self.first = False
+        job, tok = self.job, self.state.tokenizer
+        prompt = job.prompts[self.index // job.n]
+        scores = out.prompt_logprobs or ()
+        text, entries, vllm = "", [], None
+        if job.echo:
+            text = prompt_echo.echo_text(tok, prompt, job.skip_special)
+            if job.logprobs is not None and scores:
+                entries = prompt_echo.echo_entries(tok, prompt, scores, job.logprobs)
+        if job.prompt_logprobs is not None and scores:
+            vllm = prompt_echo.vllm_prompt_logprobs(tok, prompt, scores, job.prompt_logprobs)
+        return text, entries, vllm
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.state.metrics
