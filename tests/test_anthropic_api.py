@@ -255,12 +255,14 @@ def test_thinking_blocks_returned_and_accepted_back(client, srv):
     kinds = [d["delta"]["type"] for n, d in frames if n == "content_block_delta"]
     assert "thinking_delta" in kinds and "signature_delta" in kinds
     history = USER + [out.to_param(), {"role": "user", "content": "Go on."}]
-    again = client.messages.create(model="tiny", max_tokens=8, messages=history,
+    again = client.messages.create(model="tiny", max_tokens=8, messages=history, extra_body=T0,
                                    thinking={"type": "enabled", "budget_tokens": 4})
     assert again.content[0].type == "thinking"
-    plain = client.messages.create(model="tiny", max_tokens=8, messages=history, thinking={"type": "disabled"})
+    plain = client.messages.create(model="tiny", max_tokens=8, messages=history, thinking={"type": "disabled"},
+                                   extra_body=T0)
     assert [b.type for b in plain.content] == ["text"]
-    effort = client.messages.create(model="tiny", max_tokens=8, messages=USER, output_config={"effort": "max"})
+    effort = client.messages.create(model="tiny", max_tokens=8, messages=USER, output_config={"effort": "max"},
+                                    extra_body=T0)
     assert effort.content[0].type == "thinking"  # an effort asks for thinking
     # in a tool loop the reasoning of the turn that made the call is rendered back (tools keep it)
     def loop(thought: str) -> list[dict]:
