@@ -40,6 +40,12 @@ _ENGINE_FLAGS = {
     "--prefix-cache-budget": ("prefix_cache_budget", str, "memory the prefix cache may keep, in bytes (e.g. "
                               "256MiB; None: a share of the state pool)"),
     "--prefix-interval": ("prefix_interval", int, "prompt tokens between prefix-cache snapshots"),
+    "--prefix-cache-host-bytes": ("prefix_cache_host_bytes", str, "host memory for prefix snapshots evicted from "
+                                  "the device pool (e.g. 2GiB; 0: off; None: min(1 GiB, 1/16 of free memory))"),
+    "--prefix-cache-dir": ("prefix_cache_dir", str, "directory for prefix snapshots leaving host memory, kept "
+                           "across restarts (None: no disk tier)"),
+    "--prefix-cache-disk-bytes": ("prefix_cache_disk_bytes", str, "disk budget of --prefix-cache-dir (e.g. 50GB; "
+                                  "None: min(16 GiB, half the free space))"),
     "--speculative-config": ("speculative", str, "speculative decoding, vLLM's JSON shape, e.g. "
                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'; auto: the checkpoint\'s drafter '
                              "if it has one"),
@@ -172,6 +178,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-expert-parallel", action="store_true", help="whole routed experts per rank")
     serve.add_argument("--tp-timeout", type=float, default=300.0,
                        help="seconds a tensor-parallel collective may take before the server stops (a rank died or hangs)")
+    serve.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel group spans; every node runs "
+                       "the same command with its own --node-rank (torchrun's RANK, WORLD_SIZE, LOCAL_RANK, "
+                       "MASTER_ADDR, MASTER_PORT stand in for these flags)")
+    serve.add_argument("--node-rank", type=int, default=0, help="this node, 0..nnodes-1: 0 serves HTTP, the others "
+                       "only run their ranks")
+    serve.add_argument("--dist-init-addr", default=None, help="HOST:PORT on node 0 where the nodes meet")
+    serve.add_argument("--dist-timeout", type=float, default=600.0, help="seconds the nodes may take to meet")
     serve.add_argument("--chat-encoding", default="auto", choices=("auto", *EFFORT_PROMPTS),
                        help="the reasoning-effort prompts to render: v4 (the first DeepSeek-V4-Flash encoder: "
                             "max = 'Absolute maximum') or v4-vision (Vision-Exp / 0731: high = 'Absolute maximum', "
@@ -313,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args) -> int:
     from .server.keys import KeyConfigError, load_keys
-    from .runtime.parallel import ParallelSettings
+    from .config import ConfigError
+    from .runtime.parallel import ParallelSettings, run_node
+    from .runtime.rendezvous import resolve
     from .server.launch import BindError, build_state, check_binding, run
     from .tiny.random_model import default_model
 
@@ -323,7 +338,11 @@ def _serve(args) -> int:
     try:
         keys = load_keys(flags, args.api_key_file)
         check_binding(args.host, keys, args.insecure_no_auth)
-    except (BindError, KeyConfigError) as exc:
+        parallel = resolve(ParallelSettings(args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout,
+                                            nnodes=args.nnodes, node_rank=args.node_rank,
+                                            dist_init_addr=args.dist_init_addr, join_timeout_s=args.dist_timeout),
+                           os.environ)
+    except (BindError, KeyConfigError, ConfigError) as exc:
         print(f"ds4serve: {exc}", file=sys.stderr)
         return 2
     import torch
@@ -343,12 +362,17 @@ def _serve(args) -> int:
     settings = _settings(args, EngineSettings, _ENGINE_FLAGS)
     limits = _settings(args, ServerLimits, _SERVER_FLAGS)
     hosts = tuple(h.strip() for h in args.allow_image_hosts.split(",") if h.strip())
-    state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
-                        api_keys=keys, served_name=served, random_weights=random_weights,
-                        vision_device=args.vision_device, image_hosts=hosts,
-                        packed_experts=args.packed_weights, parallel=ParallelSettings(
-                            args.tensor_parallel_size, args.enable_expert_parallel, args.tp_timeout),
-                        chat_encoding=None if args.chat_encoding == "auto" else args.chat_encoding)
+    try:
+        if parallel.node_rank:  # another node: its ranks only, no HTTP, until rank 0 stops
+            return run_node(Path(model), parallel, args.device, args.dtype)
+        state = build_state(Path(model), device=args.device, dtype=args.dtype, settings=settings, limits=limits,
+                            api_keys=keys, served_name=served, random_weights=random_weights,
+                            vision_device=args.vision_device, image_hosts=hosts,
+                            packed_experts=args.packed_weights, parallel=parallel,
+                            chat_encoding=None if args.chat_encoding == "auto" else args.chat_encoding)
+    except ConfigError as exc:
+        print(f"ds4serve: {exc}", file=sys.stderr)
+        return 2
     run(state, args.host, args.port, args.log_level)
     return 0
 

@@ -34,6 +34,21 @@ def parse_budget(value: str | int | None) -> tuple[str, int] | None:
     return ("tokens", int(text) * mult)
 
 
+def parse_bytes(value: str | int | None, name: str) -> int | None:
+    """A size in bytes: ``4096``/``"4096"`` (plain bytes), ``"512MiB"``, ``"2GB"``; None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    try:
+        got = parse_budget(value)
+    except ConfigError:
+        got = None
+    if got is None or got[0] != "bytes":
+        raise ConfigError(f"{name} must be a size in bytes, e.g. 0, 4096, 512MiB or 2GB; got {value!r}")
+    return got[1]
+
+
 HOST_KERNEL_MODES = ("auto", "on", "off")
 PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
 
@@ -45,7 +60,9 @@ SPEC_METHODS = ("ngram", "dspark", "mtp")
 class SpeculativeConfig:
     """``--speculative-config``: vLLM's JSON shape (``method``, ``num_speculative_tokens``,
     ``prompt_lookup_min`` / ``prompt_lookup_max``) plus ours: ``prompt_lookup_window`` (tokens of history the
-    n-gram lookup searches) and ``draft_share`` (the share of a step's calibrated spare rows drafts may
+    n-gram lookup searches), ``confidence_threshold`` (a DSpark / MTP block is cut where the drafter's
+    survival estimate falls below it), ``acceptance`` (``coupled``: a seeded request's sampled stream is
+    plain decoding's whatever was drafted; ``rejection``: Leviathan rejection sampling, engine/model_drafts.py) and ``draft_share`` (the share of a step's calibrated spare rows drafts may
     take; scheduler/drafting.py)."""
 
     method: str
@@ -54,6 +71,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_window: int = 4096
     draft_share: float = 0.5
+    confidence_threshold: float = 0.0  # a checkpoint drafter's block is cut where its survival falls below this
+    acceptance: str = "coupled"  # a checkpoint drafter's sampled drafts: "coupled" or "rejection" (model_drafts)
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +83,8 @@ class SpeculativeConfig:
             (self.prompt_lookup_window >= self.prompt_lookup_max + 1,
              "prompt_lookup_window must be longer than prompt_lookup_max"),
             (0 < self.draft_share <= 1, "draft_share must be in (0, 1]"),
+            (0 <= self.confidence_threshold < 1, "confidence_threshold must be in [0, 1)"),
+            (self.acceptance in ("coupled", "rejection"), "acceptance must be \"coupled\" or \"rejection\""),
         ]
         for ok, msg in checks:
             if not ok:
@@ -127,6 +148,12 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     prefix_cache_budget: str | int | None = None
     prefix_interval: int = 256
+    # lower prefix-cache tiers (cache/tiers.py): host memory (bytes; default min(1 GiB, 1/16 of the free
+    # host memory); 0: off), then files in ``prefix_cache_dir`` (off unless set; bytes, default min(16 GiB,
+    # half the free disk)), kept across restarts
+    prefix_cache_host_bytes: str | int | None = None
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: str | int | None = None
     # speculative decoding: a SpeculativeConfig, its JSON (parse_speculative), "auto" or None (off)
     speculative: SpeculativeConfig | str | None = None
 
@@ -155,3 +182,5 @@ class EngineSettings:
             got = parse_budget(getattr(self, name))
             if got is not None and got[0] != "bytes":
                 raise ConfigError(f"{name} is a size in bytes, e.g. 256MiB")
+        for name in ("prefix_cache_host_bytes", "prefix_cache_disk_bytes"):
+            parse_bytes(getattr(self, name), name)

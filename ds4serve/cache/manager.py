@@ -242,3 +242,8 @@ class CacheManager:
         if self.prefix is not None:
             problems += self.prefix.problems()
         return "; ".join(problems)
+
+    def close(self) -> None:
+        """Shutdown: the prefix cache persists its snapshots to its disk tier (when it has one)."""
+        if self.prefix is not None:
+            self.prefix.close()

@@ -13,6 +13,11 @@ prefill is cut at ``H`` computes: nothing is recomputed, nothing is approximated
 Eviction is LRU over snapshots that no live request pins; a page goes back to the pool when neither
 a table nor a snapshot references it, so snapshots always go before the pages under them. Live
 requests win over the cache: a reservation that is short evicts snapshots first (``make_room``).
+
+With lower tiers (``tiers.py``: host memory, then disk) an evicted snapshot is copied out before it
+goes, and a lookup the pool answers short (or not at all) asks them for a longer prefix; a hit there is
+*promoted*: its rings and partial page go into a fresh arena entry and its full pages into fresh pool
+pages held by the cache, and it is then an ordinary device snapshot, attached the ordinary way.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from .layout import StateLayout
 from .pages import PageAllocator
 from .prefix_keys import BLOCK, PrefixKeys
 from .snapshots import SnapshotArena
+from .spilled import Spilled
 from .state import ModelState
+from .tiers import TierStore
 
 log = logging.getLogger(__name__)
+
+_PROMOTING = -1  # page-table owner of a snapshot's pages while it is promoted (never a slot number)
 
 
 @dataclass(eq=False)
@@ -65,6 +74,11 @@ class PrefixCache:
         self._by_anchor: dict[bytes, dict[bytes, Snapshot]] = {}  # anchor -> key -> snapshot
         self._holds: dict[int, int] = {}
         self.stats = PrefixStats()
+        self.tiers: TierStore | None = None  # lower tiers, when the runtime gives some (use_tiers)
+
+    def use_tiers(self, tiers: TierStore) -> None:
+        """Spill evicted snapshots to ``tiers`` and look there on a short lookup (set before serving)."""
+        self.tiers = tiers if tiers.enabled else None
 
     @staticmethod
     def _snap_bytes(layout: StateLayout) -> int:
@@ -81,12 +95,34 @@ class PrefixCache:
         return entries * self.arena.bytes_each() + self.pages.cache_only_pages * self.layout.bytes_per_page()
 
     def summary(self) -> dict[str, int]:
+        tiers = self.tiers.summary() if self.tiers is not None else {}
         return {**asdict(self.stats), "snapshots": self.snapshots, "cached_pages": self.pages.cache_only_pages,
-                "cached_bytes": self.bytes_used(), "budget_bytes": self.budget}
+                "cached_bytes": self.bytes_used(), "budget_bytes": self.budget, **tiers}
 
     # ---- lookup and attach -----------------------------------------------------------------------
     def lookup(self, keys: PrefixKeys, limit: int) -> Snapshot | None:
-        """The longest stored prefix of ``keys``' sequence ending at or before ``limit``."""
+        """The longest stored prefix of ``keys``' sequence ending at or before ``limit``: in the pool, or
+        longer on a lower tier (then promoted into the pool first)."""
+        snap = self._lookup_pool(keys, limit)
+        if self.tiers is None:
+            return snap
+        floor = snap.position if snap is not None else self.min_tokens - 1
+        found = self.tiers.find(keys, floor, limit)
+        if found is None:
+            return snap
+        if snap is not None:
+            snap.pins += 1  # promoting makes room: never at the cost of the hit we already have
+        try:
+            promoted = self._promote(found[0])
+        finally:
+            if snap is not None:
+                snap.pins -= 1
+        if promoted is None:
+            return snap
+        self.tiers.promoted(found[0], found[1])
+        return promoted
+
+    def _lookup_pool(self, keys: PrefixKeys, limit: int) -> Snapshot | None:
         for j in range(limit // BLOCK, -1, -1):
             found = self._by_anchor.get(keys.boundary(j))
             if not found:
@@ -170,19 +206,65 @@ class PrefixCache:
             self.arena.save_tail(self.state, table[full], index)
         snap = Snapshot(key=key, anchor=keys.anchor(position), position=position, pages=tuple(table[:full]),
                         tail=tail, index=index)
+        self._register(snap)
+        self.stats.stored += 1
+        return True
+
+    def _register(self, snap: Snapshot) -> None:
         self.pages.hold(snap.pages)
         for p in snap.pages:
             self._holds[p] = self._holds.get(p, 0) + 1
-        self._lru[key] = snap
-        self._by_anchor.setdefault(snap.anchor, {})[key] = snap
-        self.stats.stored += 1
-        return True
+        self._lru[snap.key] = snap
+        self._by_anchor.setdefault(snap.anchor, {})[snap.key] = snap
+
+    # ---- lower tiers ---------------------------------------------------------------------------
+    def _spilled(self, snap: Snapshot) -> Spilled:
+        return Spilled(key=snap.key, anchor=snap.anchor, position=snap.position, n_full=len(snap.pages),
+                       tail=snap.tail, tensors=self.arena.export(snap.index, self.state, snap.pages, snap.tail))
+
+    def _promote(self, sp: Spilled) -> Snapshot | None:
+        """``sp`` as a device snapshot (arena entry + cache-held pages); None if the pool has no room."""
+        if sp.key in self._lru:
+            return self._lru[sp.key]
+        if not self.make_room(sp.n_full):
+            return None
+        index = self.take_entry()  # evicts only: the pages made free above stay free
+        if index is None:
+            return None
+        owner = _PROMOTING
+        if not self.pages.reserve(owner, sp.n_full):
+            self.give_back(index)
+            return None
+        table = list(self.pages.table(owner))
+        self.state.zero_fresh(table)
+        try:
+            self.arena.import_(sp.tensors, index, self.state, table, sp.tail)
+        except ValueError as exc:  # a checked file of this fingerprint cannot disagree; never use it if it does
+            log.warning("prefix cache: a lower-tier snapshot at %d does not fit the state: %s", sp.position, exc)
+            self.pages.release(owner)
+            self.give_back(index)
+            return None
+        snap = Snapshot(key=sp.key, anchor=sp.anchor, position=sp.position, pages=tuple(table), tail=sp.tail,
+                        index=index)
+        self._register(snap)
+        self.pages.release(owner)  # the cache's hold keeps them
+        return snap
+
+    def close(self) -> None:
+        """Persist the pool's snapshots to the disk tier (if any) and stop its writer (shutdown)."""
+        if self.tiers is None:
+            return
+        disk = self.tiers.disk
+        keep = [self._spilled(s) for s in self._lru.values() if disk is not None and not disk.has(s.key)]
+        self.tiers.close(keep)
 
     # ---- eviction ------------------------------------------------------------------------------
     def _evict_one(self) -> bool:
         victim = next((s for s in self._lru.values() if s.pins == 0), None)
         if victim is None:
             return False
+        if self.tiers is not None:
+            self.tiers.spill(self._spilled(victim))
         self._remove(victim)
         self.stats.evictions += 1
         return True
@@ -213,11 +295,12 @@ class PrefixCache:
             pass
 
     def reset(self) -> int:
-        """Drop every snapshot no live request pins; returns how many were dropped."""
+        """Drop every snapshot no live request pins, on every tier (disk files of this model included);
+        returns how many were dropped."""
         victims = [s for s in self._lru.values() if s.pins == 0]
         for s in victims:
             self._remove(s)
-        return len(victims)
+        return len(victims) + (self.tiers.clear() if self.tiers is not None else 0)
 
     def pin(self, snap: Snapshot) -> None:
         snap.pins += 1

@@ -73,3 +73,53 @@ class SnapshotArena:
                         continue
                     at = slot
                 yield mine[index * per:(index + 1) * per], live[at * per:(at + 1) * per]
+
+    # ---- lower tiers (host memory, disk): a snapshot as plain host tensors --------------------
+    def export(self, index: int, state: ModelState, pages: tuple[int, ...],
+               tail: bool) -> list[dict[str, torch.Tensor]]:
+        """Host copies of a snapshot: entry ``index``'s rings, and the pool rows of ``pages`` (its full
+        pages) followed by the entry's partial page when ``tail``."""
+        out = []
+        for li, st in enumerate(state.layers):
+            layer = {}
+            for name, mine in self.layers[li].items():
+                per = mine.shape[0] // self.n
+                own = mine[index * per:(index + 1) * per]
+                if name not in _POOLS:
+                    layer[name] = own.to("cpu", copy=True)
+                    continue
+                live = getattr(st, name)
+                parts = [live[p * per:(p + 1) * per] for p in pages] + ([own] if tail else [])
+                layer[name] = torch.cat(parts).to("cpu") if parts else own[:0].to("cpu", copy=True)
+            out.append(layer)
+        return out
+
+    def import_(self, tensors: list[dict[str, torch.Tensor]], index: int, state: ModelState,
+                pages: list[int], tail: bool) -> None:
+        """The reverse of ``export``: rings and partial page into entry ``index``, full-page rows into
+        ``pages`` of the pool. Shapes are checked first (ValueError, nothing written, if they differ)."""
+        want = len(pages) + int(tail)
+        if len(tensors) != len(self.layers):
+            raise ValueError(f"{len(tensors)} layers, the state has {len(self.layers)}")
+        for li, mine_layer in enumerate(self.layers):
+            if set(tensors[li]) != set(mine_layer):
+                raise ValueError(f"layer {li}: tensors {sorted(tensors[li])}, expected {sorted(mine_layer)}")
+            for name, mine in mine_layer.items():
+                per = mine.shape[0] // self.n
+                rows = per * want if name in _POOLS else per
+                got = tensors[li][name]
+                if tuple(got.shape) != (rows, mine.shape[1]) or got.dtype != mine.dtype:
+                    raise ValueError(f"layer {li} {name}: {tuple(got.shape)} {got.dtype}, expected "
+                                     f"{(rows, mine.shape[1])} {mine.dtype}")
+        for li, st in enumerate(state.layers):
+            for name, mine in self.layers[li].items():
+                per = mine.shape[0] // self.n
+                src = tensors[li][name].to(mine.device)
+                if name not in _POOLS:
+                    mine[index * per:(index + 1) * per].copy_(src)
+                    continue
+                live = getattr(st, name)
+                for i, p in enumerate(pages):
+                    live[p * per:(p + 1) * per].copy_(src[i * per:(i + 1) * per])
+                if tail:
+                    mine[index * per:(index + 1) * per].copy_(src[len(pages) * per:])

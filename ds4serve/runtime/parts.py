@@ -55,7 +55,10 @@ class EngineParts:
         return [p for p in problems if p]
 
     def close(self) -> None:
-        """Stop the encoder worker and, on rank 0 of a group, the other ranks."""
+        """Persist the prefix cache's lower tiers, stop the encoder worker and, on rank 0 of a group, the
+        other ranks."""
+        if self.parallel is None:
+            self.cache.close()
         if self.encoder is not None:
             self.encoder.shutdown()
         if self.parallel is not None:

@@ -38,7 +38,9 @@ class EngineStats:
     ``counters``: the scheduler's running counters (``added``, ``preempt_suspend`` / ``_drop`` /
     ``_fail``, ``rejected``, ``completed``, ``aborted``, ...); ``prefix``: the prefix cache's figures
     (``enabled``, ``hits``, ``misses``, ``hit_tokens``, ``queried_tokens``, ``stored``, ``evictions``,
-    ``snapshots``, ``cached_pages``, ``cached_bytes``, ``budget_bytes``; all 0 when caching is off);
+    ``snapshots``, ``cached_pages``, ``cached_bytes``, ``budget_bytes``; all 0 when caching is off; with
+    lower tiers also ``host_*`` / ``disk_*``: ``hits``, ``bytes``, ``snapshots``, ``evictions``, ``budget_bytes``,
+    and ``disk_skipped_files``, ``disk_dropped_writes``, ``disk_writes``);
     ``speculation``: speculative decoding's counts (``Scheduler.spec``: verify steps, drafted and accepted
     tokens, and per draft position ``drafted_at_i`` / ``accepted_at_i``); empty while nothing was drafted.
     """

@@ -21,6 +21,7 @@ from .errors import _error_response, install_error_handlers
 from .limits import ServerLimits
 from .middleware import Auth, BodyLimit
 from .openapi import custom_openapi
+from .router_api import install_router_routes
 from .routes import install_routes
 from .state import ServerState
 from .webui import mount_webui
@@ -48,6 +49,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(AccessLog, metrics=state.metrics)
     install_error_handlers(app)
     install_routes(app)
+    install_router_routes(app)
     install_anthropic_routes(app)
     mount_webui(app, enabled=state.limits.webui)
     return app

@@ -64,6 +64,12 @@ _PREFIX_COUNTERS = {  # name (without _total): (help, EngineStats.prefix key)
     "ds4serve_prefix_cache_stores": ("prefix snapshots stored", "stored"),
     "ds4serve_prefix_cache_evictions": ("prefix snapshots evicted (budget or memory pressure)", "evictions"),
 }
+# the lower tiers (cache/tiers.py), one series per tier: name: (help, EngineStats.prefix key after "<tier>_")
+_PREFIX_TIERS = ("host", "disk")
+_TIER_GAUGES = {"ds4serve_prefix_cache_tier_bytes": ("bytes of prefix snapshots held on a lower tier", "bytes"),
+                "ds4serve_prefix_cache_tier_snapshots": ("prefix snapshots held on a lower tier", "snapshots")}
+_TIER_COUNTERS = {"ds4serve_prefix_cache_tier_hits": ("prefix hits brought back from a lower tier", "hits"),
+                  "ds4serve_prefix_cache_tier_evictions": ("prefix snapshots a lower tier evicted", "evictions")}
 
 
 class _EngineCollector:
@@ -124,6 +130,12 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(m, p.get(key, 0))
             yield c
+        for table, family in ((_TIER_GAUGES, GaugeMetricFamily), (_TIER_COUNTERS, CounterMetricFamily)):
+            for name, (doc, key) in table.items():
+                f = family(name, doc, labels=["model_name", "tier"])
+                for tier in _PREFIX_TIERS:
+                    f.add_metric([*m, tier], float(p.get(f"{tier}_{key}", 0)))
+                yield f
 
 
 class _Bound:
