@@ -20,7 +20,8 @@ from .engine import ModelRunner
 from .engine.sampling import SamplingParams
 from .model import load_model, parse_dtype
 from .runtime import assemble_core
-from .scheduler.scheduler import QueueFull
+from .scheduler.scheduler import QueueFull, RequestTooLarge
+from .scheduler.spec import RequestSpec
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class LLM:
         self.device = torch.device(device)
         settings.setdefault("max_stall", 0.0)
         self.core = assemble_core(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),
-                                  eos_ids=eos_ids)
+                                  eos_ids=eos_ids, checkpoint=Path(path))
         self.runner = ModelRunner(self.cfg, self.model, self.core.cache.state)
 
     @property
@@ -88,8 +89,12 @@ class LLM:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            self.core.scheduler.check_fits(len(p), params.max_tokens)
-        reqs = [self.core.make_request(p, params) for p in prompts]
+        specs = [RequestSpec(p, params) for p in prompts]
+        for i, spec in enumerate(specs):  # refuse the batch before any of it runs
+            problem = self.core.fit(spec)
+            if problem:
+                raise RequestTooLarge(f"prompt {i}: {problem}")
+        reqs = [self.core.make_request(spec) for spec in specs]
         todo = deque(reqs)
         while todo or self.core.has_work:
             while todo:
@@ -114,7 +119,9 @@ class LLM:
         ids = list(ids)
         if not ids:
             raise ValueError("empty prompt")
-        self.core.scheduler.check_fits(len(ids), 0)
+        problem = self.core.fit(RequestSpec(ids, SamplingParams(max_tokens=0)))
+        if problem:
+            raise RequestTooLarge(problem)
         if self.core.has_work:
             raise RuntimeError("prompt_logits needs an idle engine")
         cache = self.core.cache

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ds4serve.cache import SeqChunk  # noqa: E402  (ds4serve before torch: its OpenMP setting)
 from ds4serve.chat import Tokenizer  # noqa: E402
 from ds4serve.engine.sampling import SamplingParams  # noqa: E402
+from ds4serve.scheduler.spec import RequestSpec  # noqa: E402
 from ds4serve.llm import LLM  # noqa: E402
 from ds4serve.model import host_decode  # noqa: E402
 from ds4serve.multimodal.pipeline import ImagePipeline  # noqa: E402
@@ -42,8 +43,8 @@ def serve() -> dict:
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     pipeline = ImagePipeline.for_engine(core, tok)
     turns = [prepare(core, tok, pipeline, ex) for ex in exs]
-    firsts = _run_all(core, [core.make_request(ids, params, images=images) for ids, images in turns])
-    seconds = _run_all(core, [core.make_request(ids + out + ids[-9:], params, images=images)
+    firsts = _run_all(core, [core.make_request(RequestSpec(ids, params, images=images)) for ids, images in turns])
+    seconds = _run_all(core, [core.make_request(RequestSpec(ids + out + ids[-9:], params, images=images))
                               for (ids, images), out in zip(turns, firsts)])
     prefix = core.prefix_stats()
     small = LLM(BUNDLED, host_kernels="on", max_seqs=8, kv_budget=128, host_budget="40KB", step_tokens=16,

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.runtime import EngineLoop
 from ds4serve.runtime import assemble_core
 from ds4serve.scheduler.scheduler import RequestTooLarge
@@ -24,7 +25,7 @@ def async_engine(llm_factory):
 
 async def _collect(eng, rid, prompt, params, stop_after=None):
     toks = []
-    async for out in eng.generate(prompt, params, rid):
+    async for out in eng.generate(RequestSpec(prompt, params), rid):
         toks.extend(out.new_token_ids)
         if stop_after is not None and len(toks) >= stop_after:
             break  # leaving the iterator aborts the request
@@ -58,7 +59,7 @@ def test_rejects_before_the_stream_opens(async_engine):
     eng, _ = async_engine
 
     async def main():
-        async for _ in eng.generate(list(range(500)), SamplingParams(max_tokens=100), "big"):
+        async for _ in eng.generate(RequestSpec(list(range(500)), SamplingParams(max_tokens=100)), "big"):
             pass
 
     with pytest.raises(RequestTooLarge, match="context limit"):
@@ -72,7 +73,8 @@ def test_shutdown_answers_waiting_clients(llm_factory):
 
     async def main():
         async def one(i):
-            outs = [o async for o in eng.generate([5, 6, 7], SamplingParams(max_tokens=400, temperature=0), f"s{i}")]
+            spec = RequestSpec([5, 6, 7], SamplingParams(max_tokens=400, temperature=0))
+            outs = [o async for o in eng.generate(spec, f"s{i}")]
             return outs[-1]
 
         tasks = [asyncio.create_task(one(i)) for i in range(4)]

@@ -73,8 +73,8 @@ def scripted(server, ids: list[int], chunk: int = 3, reason: str = "stop"):
     """Every request submitted meanwhile produces ``ids`` (the real server code reads them)."""
     loop = server.state.loop
 
-    async def submit(prompt, params, request_id, images=None, constraint=None, cache_salt="", cache_points=()):
-        return _Scripted(ids, chunk, reason, params.logprobs is not None)
+    async def submit(spec, request_id):
+        return _Scripted(ids, chunk, reason, spec.params.logprobs is not None)
 
     loop.submit = submit
     try:
@@ -131,9 +131,9 @@ def test_tokenize_agrees_with_the_ids_the_engine_prefills(server, client):
     loop = server.state.loop
     real = loop.submit
 
-    async def spy(prompt, *a, **kw):
-        seen.append(list(prompt))
-        return await real(prompt, *a, **kw)
+    async def spy(spec, *a, **kw):
+        seen.append(list(spec.prompt_ids))
+        return await real(spec, *a, **kw)
 
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(2)}},
                                              {"type": "text", "text": "What is this?"}]}]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from model_helpers import feed, random_ids
 
 LENGTHS = [1, 2, 4, 5, 16, 17, 31, 33, 60, 64, 65, 100, 128, 150, 220, 300]
@@ -29,7 +30,7 @@ def _prompts():
 def run_staggered(llm, prompts, params, every: int = 3):
     """Request i arrives at step i * every; returns outputs in request order."""
     core = llm.core
-    reqs = [core.make_request(p, q) for p, q in zip(prompts, params)]
+    reqs = [core.make_request(RequestSpec(p, q)) for p, q in zip(prompts, params)]
     feed(core, reqs, every)
     assert core.leaks() == "", core.leaks()
     return [list(r.output_ids) for r in reqs], core.scheduler.stats
@@ -115,7 +116,7 @@ def test_requests_needing_the_whole_pool_make_progress(llm_factory, host_kernels
                       max_prefill_tokens=4 * page, host_kernels=host_kernels)
     assert llm.core.cache.state.n_pages == 2
     core = llm.core
-    reqs = [core.make_request(p, params) for p in prompts]
+    reqs = [core.make_request(RequestSpec(p, params)) for p in prompts]
     for r in reqs:
         core.add(r)
     for _ in range(50 * page):

@@ -22,6 +22,7 @@ from ds4serve.chat.dsml_stream import DsmlScanner
 from ds4serve.chat.events import ContentDelta, Event, ToolCallDelta, ToolCallEnd, ToolCallStart
 from ds4serve.engine.plan import StepResult, StepStatus
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.runtime import EngineLoop
 from ds4serve.scheduler.request import RequestStatus
 from ds4serve.scheduler.scheduler import QueueFull
@@ -160,10 +161,10 @@ def test_a_burst_of_exactly_the_cap_is_admitted_and_the_next_refused(max_seqs: i
     async def main() -> None:
         release, holder = _held(eng)
         try:
-            subs = [asyncio.create_task(eng.submit([1, 2, 3], params, f"r{i}")) for i in range(cap)]
+            subs = [asyncio.create_task(eng.submit(RequestSpec([1, 2, 3], params), f"r{i}")) for i in range(cap)]
             await asyncio.sleep(0.05)  # every submit has passed its check and sent its request
             with pytest.raises(QueueFull):
-                await asyncio.wait_for(eng.submit([1, 2, 3], params, "over"), 5)
+                await asyncio.wait_for(eng.submit(RequestSpec([1, 2, 3], params), "over"), 5)
         finally:
             release.set()
             holder.join(10)
@@ -171,7 +172,7 @@ def test_a_burst_of_exactly_the_cap_is_admitted_and_the_next_refused(max_seqs: i
         n = eng.call(lambda c: len(c.scheduler.running) + len(c.scheduler.waiting))
         assert n == cap
         with pytest.raises(QueueFull):
-            core.add(core.make_request([1, 2, 3], params))  # the scheduler's own bound, at the cap
+            core.add(core.make_request(RequestSpec([1, 2, 3], params)))  # the scheduler's own bound, at the cap
         for s in streams:
             await s.aclose()
 
@@ -187,13 +188,13 @@ def test_the_scheduler_admits_the_cap_and_no_more() -> None:
     core = make_core(max_seqs=3, max_queue=2)
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     for _ in range(5):
-        core.add(core.make_request([1, 2], params))
+        core.add(core.make_request(RequestSpec([1, 2], params)))
     with pytest.raises(QueueFull):
-        core.add(core.make_request([1, 2], params))
+        core.add(core.make_request(RequestSpec([1, 2], params)))
     core.step()
     assert len(core.scheduler.running) == 3 and len(core.scheduler.waiting) == 2
     with pytest.raises(QueueFull):
-        core.add(core.make_request([1, 2], params))
+        core.add(core.make_request(RequestSpec([1, 2], params)))
 
 
 # ---- isolation: suspects are cleared only past their failed step ------------------------------------
@@ -228,7 +229,8 @@ def test_a_suspect_is_cleared_exactly_when_it_recomputed_past_its_failure(at: in
     step after the failure, ``suspect is not None`` iff ``computed < end``. All finish normally."""
     engine = type("Engine", (_FailsOnce,), {"at": at, "seen": 0})
     core = make_core(engine=engine, max_seqs=6, step_tokens=24, max_prefill_tokens=16)
-    reqs = [core.make_request(list(range(1, 2 + (i * 11) % 50)), SamplingParams(max_tokens=12, temperature=0))
+    reqs = [core.make_request(RequestSpec(list(range(1, 2 + (i * 11) % 50)),
+                                          SamplingParams(max_tokens=12, temperature=0)))
             for i in range(6)]
     for r in reqs:
         core.add(r)

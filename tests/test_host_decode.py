@@ -293,6 +293,7 @@ def test_image_prompts_are_the_same_on_both_paths(random_ckpt):
     and logprobs. (The start-up self-check covers text only.)"""
     from ds4serve.chat import Tokenizer
     from ds4serve.engine.sampling import SamplingParams
+    from ds4serve.scheduler.spec import RequestSpec
     from image_helpers import image_prompt
 
     tok = Tokenizer(random_ckpt)
@@ -303,8 +304,8 @@ def test_image_prompts_are_the_same_on_both_paths(random_ckpt):
         for text, seeds in (("What colour is the circle?", [1]), ("Which image has more shapes?", [2, 3]),
                             ("How many shapes are there?", [4])):
             ids, images = image_prompt(core, tok, text, seeds)
-            reqs.append(core.make_request(ids, SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True),
-                                          images=images))
+            params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+            reqs.append(core.make_request(RequestSpec(ids, params, images=images)))
         for r in reqs:
             core.add(r)
         core.run_until_idle()

@@ -11,6 +11,7 @@ import torch
 
 from ds4serve.chat import Tokenizer
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from image_helpers import image_prompt, image_url
 from model_helpers import feed, random_ids
 
@@ -49,7 +50,8 @@ def _image_requests(core, tok):
 
 
 def _solo(core, prompt, images, n=GEN):
-    req = core.make_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), images=images)
+    req = core.make_request(RequestSpec(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                        images=images))
     core.add(req)
     core.run_until_idle()
     assert core.leaks() == ""
@@ -148,12 +150,14 @@ def test_image_pass_whole_equals_layer_slices(make_llm, tok):
 
     sliced.engine.step = spy
     try:
-        decoder = sliced.make_request([5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        decoder = sliced.make_request(RequestSpec([5, 6, 7],
+                                                  SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)))
         sliced.add(decoder)
         sliced.step()
         got = []
         for p, ims in reqs:
-            r = sliced.make_request(p, SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True), images=ims)
+            r = sliced.make_request(RequestSpec(p, SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True),
+                                                images=ims))
             sliced.add(r)
             while not r.status.finished:
                 sliced.step()
@@ -175,7 +179,7 @@ def test_forced_eviction_with_images(make_llm, tok):
     jobs.append(image_prompt(core, tok, "Two pictures?", [6, 7]))
     jobs += [(random_ids(n, 200, seed=n), None) for n in (40, 90, 150)]
     solo = [_solo(make_llm(max_seqs=1).core, p, ims, n=24) for p, ims in jobs]
-    reqs = [core.make_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), images=ims)
+    reqs = [core.make_request(RequestSpec(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), images=ims))
             for p, ims in jobs]
     feed(core, reqs, encoded=True)  # images encoded before each step: the same preemptions on any machine
     stats = core.scheduler.stats
@@ -190,7 +194,7 @@ def test_split_block_is_refused(make_llm, tok):
 
     core = make_llm(max_seqs=4).core
     prompt, images = image_prompt(core, tok, "x", [1])
-    req = core.make_request(prompt, SamplingParams(max_tokens=2), images=images)
+    req = core.make_request(RequestSpec(prompt, SamplingParams(max_tokens=2), images=images))
     sp = req.spans[0]
     cache = core.cache
     with pytest.raises(ViewError, match="would split the image block"):

@@ -17,6 +17,7 @@ from test_step_contract import FakeEngine, expected_tokens, make_core
 from ds4serve.cache.manager import StaleSlot
 from ds4serve.engine.plan import StepResult, StepStatus
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.scheduler.request import RequestStatus
 
 
@@ -40,7 +41,8 @@ def _engine(poisoned=(), transient=0):
 
 
 def _requests(core, n: int):
-    reqs = [core.make_request(list(range(1, 2 + (i * 7) % 40)), SamplingParams(max_tokens=6 + i % 5, temperature=0))
+    reqs = [core.make_request(RequestSpec(list(range(1, 2 + (i * 7) % 40)),
+                                          SamplingParams(max_tokens=6 + i % 5, temperature=0)))
             for i in range(n)]
     for r in reqs:
         core.add(r)

@@ -19,6 +19,7 @@ import torch
 from ds4serve.chat import Tokenizer
 from ds4serve.engine import executor
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.multimodal.pipeline import ImagePipeline
 from ds4serve.scheduler.request import RequestStatus
 from ds4serve.tiny.data import examples
@@ -58,7 +59,7 @@ def work(llms, tok):
         items.append((ids, images, params))
     solo = []
     for ids, images, params in items:
-        req = core.make_request(ids, params, images=images)
+        req = core.make_request(RequestSpec(ids, params, images=images))
         core.add(req)
         core.run_until_idle()
         assert req.status.finished and req.error is None
@@ -68,7 +69,7 @@ def work(llms, tok):
 
 
 def _serve_all(core, items):
-    reqs = [core.make_request(ids, params, images=images) for ids, images, params in items]
+    reqs = [core.make_request(RequestSpec(ids, params, images=images)) for ids, images, params in items]
     for r in reqs:
         core.add(r)
     core.run_until_idle()
@@ -101,7 +102,7 @@ def test_a_sampler_that_raises_for_one_request(llms, work, monkeypatch):
         return real(logits, states)
 
     monkeypatch.setattr(executor, "sample_rows", sample_rows)
-    reqs = [core.make_request(ids, params, images=images) for ids, images, params in items]
+    reqs = [core.make_request(RequestSpec(ids, params, images=images)) for ids, images, params in items]
     victim["sampler"] = reqs[bad].sampler
     before = dict(core.scheduler.stats)
     for r in reqs:
@@ -143,7 +144,7 @@ def test_poisoned_image_rows(llms, work, poison, needle):
 
     worker._encode = encode
     try:
-        reqs = [core.make_request(ids, params, images=images) for ids, images, params in items]
+        reqs = [core.make_request(RequestSpec(ids, params, images=images)) for ids, images, params in items]
         target["rid"] = reqs[bad].request_id
         for r in reqs:
             core.add(r)
@@ -182,7 +183,7 @@ def test_an_engine_exception_inside_a_pass_slice(llms, work, monkeypatch, persis
 
     monkeypatch.setattr(engine, "_advance", advance)
     monkeypatch.setattr(engine, "_merged_forward", merged)
-    reqs = [core.make_request(ids, params, images=images) for ids, images, params in items]
+    reqs = [core.make_request(RequestSpec(ids, params, images=images)) for ids, images, params in items]
     target["rid"] = reqs[bad].request_id
     for r in reqs:
         core.add(r)
@@ -214,12 +215,12 @@ def test_a_long_image_prompt_beside_a_decoder_completes(llms, tok, length, host_
     ids, images = prepare(core, tok, pipe, ex)
     filler = tok.encode_text(" a")[-1]
     ids = list(ids[:-4]) + [filler] * (length - len(ids)) + list(ids[-4:])
-    text = core.make_request(tok.encode_text("What is 7 + 5?"), SamplingParams(max_tokens=40, temperature=0,
-                                                                         ignore_eos=True))
+    text = core.make_request(RequestSpec(tok.encode_text("What is 7 + 5?"),
+                                         SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)))
     core.add(text)
     for _ in range(3):
         core.step()
-    req = core.make_request(ids, SamplingParams(max_tokens=4, temperature=0), images=images)
+    req = core.make_request(RequestSpec(ids, SamplingParams(max_tokens=4, temperature=0), images=images))
     core.add(req)
     core.run_until_idle()
     assert req.error is None and text.error is None, (req.error, text.error)

@@ -17,6 +17,7 @@ from test_step_contract import expected_tokens, make_core
 
 from ds4serve.engine.encoder import EncodedImage
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.multimodal.layout import image_block
 from ds4serve.multimodal.records import ImageInput, sentinel_ids
 from ds4serve.scheduler.request import RequestStatus
@@ -69,7 +70,7 @@ def _image_request(core, n_text: int, max_tokens: int):
     blk = image_block(1, 1, n_text)
     ids = list(range(1, n_text + 1)) + sentinel_ids(blk, VOCAB) + [5]
     image = ImageInput(torch.zeros(1, 3, 2, 2), 1, 1, blk, "fake")
-    return core.make_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0), images=[image])
+    return core.make_request(RequestSpec(ids, SamplingParams(max_tokens=max_tokens, temperature=0), images=[image]))
 
 
 def _preempted_in_step(core) -> int:
@@ -81,12 +82,13 @@ def test_a_request_inside_a_pass_is_never_the_victim():
     by age) is inside a layer-sliced pass: one of the decoders must go, never the pass member."""
     core = make_core(prefill_mode="layers", kv_budget=256, max_seqs=4, step_tokens=8, min_prefill_tokens=4,
                      max_prefill_tokens=64)
-    decoders = [core.make_request(list(range(1, 10)), SamplingParams(max_tokens=200, temperature=0)) for _ in range(2)]
+    decoders = [core.make_request(RequestSpec(list(range(1, 10)), SamplingParams(max_tokens=200, temperature=0)))
+                for _ in range(2)]
     for r in decoders:
         core.add(r)
     for _ in range(53):  # 62 tokens each: both need a second page within the next pass's steps
         core.step()
-    late = core.make_request(list(range(1, 60)), SamplingParams(max_tokens=5, temperature=0))
+    late = core.make_request(RequestSpec(list(range(1, 60)), SamplingParams(max_tokens=5, temperature=0)))
     core.add(late)
     during_pass = 0
     while core.has_work:
@@ -106,7 +108,7 @@ def test_a_request_inside_a_pass_is_never_the_victim():
 def test_text_is_preempted_before_an_image_request():
     """The text request is older (age alone would pick the image request); rebuilding it is cheaper."""
     core, _ = _vision_core(kv_budget=192, max_seqs=4, max_prefill_tokens=64)
-    text = core.make_request(list(range(1, 20)), SamplingParams(max_tokens=100, temperature=0))
+    text = core.make_request(RequestSpec(list(range(1, 20)), SamplingParams(max_tokens=100, temperature=0)))
     image = _image_request(core, 10, max_tokens=100)
     core.add(text)
     core.add(image)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from model_helpers import feed, random_ids
 
 LOGPROB_TOL = 1e-4  # DESIGN §6: chunked prefill's tolerance
@@ -26,7 +27,7 @@ def _params(n: int, seed: int | None = None) -> SamplingParams:
 
 def _run(core, prompts, params, every: int = 0, **kw):
     """Requests arrive ``every`` steps apart (0: all at once); returns them when all are done."""
-    reqs = [core.make_request(p, q, **kw) for p, q in zip(prompts, params)]
+    reqs = [core.make_request(RequestSpec(p, q, **kw)) for p, q in zip(prompts, params)]
     feed(core, reqs, every)
     assert core.leaks() == "", core.leaks()
     return reqs
@@ -170,7 +171,7 @@ def test_an_image_under_a_hit_is_not_encoded_again(random_ckpt, host_kernels):
     cold = _run(off, [second[0]], [_params(6)], images=second[1])[0]
     _close(hit, cold)
     # a hit request whose image was skipped is still recomputable: it pins the snapshot it came from
-    req = core.make_request(second[0], _params(6), images=second[1])
+    req = core.make_request(RequestSpec(second[0], _params(6), images=second[1]))
     core.add(req)
     core.step()
     assert req.first_image == 1 and req.prefix.pinned is not None and core.scheduler.recomputable(req)
@@ -215,7 +216,7 @@ def test_text_images_and_turns_at_concurrency_16_with_tiny_pools(random_ckpt, ho
     prompts, images = _mixed(core, tok, solo_core)
     params = [_params(8) for _ in prompts]
     solo = [_run(solo_core, [p], [q], images=ims)[0] for p, q, ims in zip(prompts, params, images)]
-    reqs = [core.make_request(p, q, images=ims) for p, q, ims in zip(prompts, params, images)]
+    reqs = [core.make_request(RequestSpec(p, q, images=ims)) for p, q, ims in zip(prompts, params, images)]
     feed(core, reqs, every=3, encoded=True)  # where the pool fills must not depend on the encoder's speed
     stats, prefix = core.scheduler.stats, core.prefix_stats()
     assert stats["preempt_suspend"] + stats["preempt_drop"] > 0, stats
@@ -246,7 +247,7 @@ def test_pinned_snapshots_never_stall_the_pool(random_ckpt, host_kernels):
     core = LLM(random_ckpt, max_seqs=16, kv_budget=640, host_budget="400KB", step_tokens=64,
                max_prefill_tokens=128, prefix_cache_budget="8MB", host_kernels=host_kernels).core
     prompts, images = _mixed(core, tok, solo_core)
-    reqs = [core.make_request(p, _params(8), images=ims) for p, ims in zip(prompts, images)]
+    reqs = [core.make_request(RequestSpec(p, _params(8), images=ims)) for p, ims in zip(prompts, images)]
     pending, step = list(reqs), 0
     while (pending or core.has_work) and step < 1000:
         while pending and step >= 3 * (len(reqs) - len(pending)):
@@ -282,7 +283,7 @@ def test_a_dropped_image_hit_recomputes_through_its_pinned_snapshot(random_ckpt,
     _run(core, [first[0]], [_params(6)], images=first[1])
     want = _run(core, [second[0]], [_params(6)], images=second[1])[0]
     encoded = core.encoder.encoded
-    req = core.make_request(second[0], _params(6), images=second[1])
+    req = core.make_request(RequestSpec(second[0], _params(6), images=second[1]))
     core.add(req)
     core.step()
     core.step()

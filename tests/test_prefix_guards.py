@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from ds4serve.cache.prefix_keys import BLOCK, PrefixKeys
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from model_helpers import random_ids
 
 PICTURE_A, PICTURE_B = "aa" * 32, "bb" * 32
@@ -63,7 +64,7 @@ def _greedy(n: int) -> SamplingParams:
 
 def _run_bounded(core, prompt: list[int], params: SamplingParams, max_steps: int = 400):
     """One request stepped to completion, failing (instead of hanging) if it does not finish."""
-    req = core.make_request(prompt, params)
+    req = core.make_request(RequestSpec(prompt, params))
     core.add(req)
     for _ in range(max_steps):
         if not core.has_work:

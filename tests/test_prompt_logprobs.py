@@ -16,6 +16,7 @@ import torch
 from ds4serve.engine.plan import PassMember, PassProgress, PassSlice, PromptLogprobs, StepPlan, StepResult
 from ds4serve.engine.plan import validate_step_result
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from model_helpers import random_ids
 
 TOP = 3
@@ -51,7 +52,7 @@ def _check(got: list, ids: list[int], ref: torch.Tensor, host_kernels: str, top:
 def _run(llm, prompts, params, every: int = 2):
     """Request i arrives at step i * every; returns (requests, prompt logprobs by request, outputs seen)."""
     core = llm.core
-    reqs = [core.make_request(p, q) for p, q in zip(prompts, params)]
+    reqs = [core.make_request(RequestSpec(p, q)) for p, q in zip(prompts, params)]
     pending, step, scored, outputs = list(reqs), 0, {}, []
     while pending or core.has_work:
         while pending and step >= every * (len(reqs) - len(pending)):
@@ -175,8 +176,8 @@ def test_non_finite_prompt_logits_fail_that_request_alone(llm_factory, monkeypat
     monkeypatch.setattr(engine, "head", head)
     ids = random_ids(30, 1000, seed=3)
     core = llm.core
-    bad = core.make_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    good = core.make_request(ids[:10], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    bad = core.make_request(RequestSpec(ids, SamplingParams(max_tokens=0, prompt_logprobs=1)))
+    good = core.make_request(RequestSpec(ids[:10], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
     outs = []
     for r in (bad, good):
         core.add(r)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.runtime.calibrate import budget_table
 from ds4serve.scheduler.admission import SchedulerLimits
 from model_helpers import random_ids
@@ -45,11 +46,11 @@ def test_a_server_core_calibrates_and_prefill_beside_decoders_keeps_to_the_table
     forced = dataclasses.replace(core.limits, prefill_tokens_at=(200, 24, 24, 24, 24))
     core.limits = core.scheduler.limits = forced
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    core.add(core.make_request(random_ids(5, 1000, seed=1), params))
+    core.add(core.make_request(RequestSpec(random_ids(5, 1000, seed=1), params)))
     while not core.history or core.history[-1].decode_rows == 0:
         core.step()
     core.history.clear()
-    core.add(core.make_request(random_ids(150, 1000, seed=2), params))
+    core.add(core.make_request(RequestSpec(random_ids(150, 1000, seed=2), params)))
     core.run_until_idle()
     mixed = [h for h in core.history if h.decode_rows and h.prefill_rows]
     assert mixed and max(h.prefill_rows for h in mixed) <= 24

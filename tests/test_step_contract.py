@@ -14,6 +14,7 @@ from ds4serve.config import ModelConfig
 from ds4serve.engine.plan import (PassProgress, RowStatus, SampledToken, StepPlan, StepResult, validate_plan,
                                   validate_step_result)
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.runtime import EngineCore, FatalStepError, assemble_core
 from ds4serve.scheduler.request import RequestStatus
 from ds4serve.settings import EngineSettings
@@ -118,7 +119,7 @@ def expected_tokens(rid: str, prompt_len: int, n: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["chunk", "layers"])
 def test_fake_engine_serves_everything(mode):
     core = make_core(prefill_mode=mode)
-    reqs = [core.make_request(list(range(1, n + 1)), SamplingParams(max_tokens=k, temperature=0))
+    reqs = [core.make_request(RequestSpec(list(range(1, n + 1)), SamplingParams(max_tokens=k, temperature=0)))
             for n, k in [(1, 5), (7, 3), (40, 9), (100, 2), (3, 12), (65, 4)]]
     for r in reqs:
         core.add(r)
@@ -136,7 +137,7 @@ def test_fake_engine_serves_everything(mode):
 def test_every_decoder_planned_exactly_once_per_step():
     core = make_core()
     for n in (3, 5, 9, 2):
-        core.add(core.make_request(list(range(2, n + 2)), SamplingParams(max_tokens=6, temperature=0)))
+        core.add(core.make_request(RequestSpec(list(range(2, n + 2)), SamplingParams(max_tokens=6, temperature=0))))
     seen_decoding = set()
     while core.has_work:
         decoding = {r.slot for r in core.scheduler.running if r.status is RequestStatus.DECODING}
@@ -157,7 +158,7 @@ def test_every_decoder_planned_exactly_once_per_step():
 ])
 def test_broken_engines_are_caught(broken, needle):
     core = make_core(engine=broken, prefill_mode="layers", step_tokens=4, min_prefill_tokens=4)
-    reqs = [core.make_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0))
+    reqs = [core.make_request(RequestSpec([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0)))
             for _ in range(3)]
     for r in reqs:
         core.add(r)
@@ -171,7 +172,7 @@ def test_broken_engines_are_caught(broken, needle):
 
 def test_validator_accepts_honest_results_and_names_problems():
     core = make_core()
-    core.add(core.make_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+    core.add(core.make_request(RequestSpec([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))))
     plan = core.scheduler.schedule()
     res = core.engine.step(plan)
     assert validate_step_result(plan, res, 4) == ""
@@ -185,7 +186,8 @@ def test_validator_accepts_honest_results_and_names_problems():
 
 def test_abort_at_any_point_frees_before_next_step():
     core = make_core(prefill_mode="layers", step_tokens=8, min_prefill_tokens=4)
-    reqs = [core.make_request(list(range(1, 30)), SamplingParams(max_tokens=20, temperature=0)) for _ in range(4)]
+    reqs = [core.make_request(RequestSpec(list(range(1, 30)), SamplingParams(max_tokens=20, temperature=0)))
+            for _ in range(4)]
     for r in reqs:
         core.add(r)
     core.step()
@@ -200,7 +202,7 @@ def test_abort_at_any_point_frees_before_next_step():
     assert core.engine.plans[-1].retired and core.engine.plans[-1].is_empty is False
     assert core.engine.active_passes == set() and not core.has_work
     before = len(core.engine.plans)
-    late = core.make_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    late = core.make_request(RequestSpec([5, 6, 7], SamplingParams(max_tokens=2, temperature=0)))
     core.add(late)
     core.step()
     for plan in core.engine.plans[before:]:
@@ -215,8 +217,8 @@ def test_queue_bound_and_too_large():
 
     core = make_core(max_queue=2, max_seqs=1, max_model_len=64)
     with pytest.raises(RequestTooLarge, match="context limit of 64"):
-        core.add(core.make_request(list(range(60)), SamplingParams(max_tokens=10)))
+        core.add(core.make_request(RequestSpec(list(range(60)), SamplingParams(max_tokens=10))))
     for _ in range(3):  # max_seqs + max_queue in flight
-        core.add(core.make_request([1], SamplingParams(max_tokens=2)))
+        core.add(core.make_request(RequestSpec([1], SamplingParams(max_tokens=2))))
     with pytest.raises(QueueFull):
-        core.add(core.make_request([1], SamplingParams(max_tokens=2)))
+        core.add(core.make_request(RequestSpec([1], SamplingParams(max_tokens=2))))

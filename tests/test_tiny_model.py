@@ -13,6 +13,7 @@ import pytest
 
 from ds4serve.chat import Tokenizer
 from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.multimodal.pipeline import ImagePipeline
 from ds4serve.tiny.data import examples
 from ds4serve.tiny.evaluate import answer_text, prepare, run_examples
@@ -65,8 +66,8 @@ def test_mixed_traffic_image_answers_correct(make_llm, tok):
     answers are right, and the text streams finish."""
     core = make_llm(max_seqs=8, step_tokens=24, max_prefill_tokens=256).core
     pipeline = ImagePipeline.for_engine(core, tok)
-    streams = [core.make_request(prepare(core, tok, pipeline, ex)[0],
-                                 SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    streams = [core.make_request(RequestSpec(prepare(core, tok, pipeline, ex)[0],
+                                             SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)))
                for ex in examples(8, 2, ("math",))]
     for r in streams:
         core.add(r)
@@ -76,7 +77,7 @@ def test_mixed_traffic_image_answers_correct(make_llm, tok):
     reqs = []
     for ex in exs:
         ids, images = prepare(core, tok, pipeline, ex)
-        reqs.append(core.make_request(ids, SamplingParams(max_tokens=24, temperature=0), images=images))
+        reqs.append(core.make_request(RequestSpec(ids, SamplingParams(max_tokens=24, temperature=0), images=images)))
         core.add(reqs[-1])
     core.run_until_idle()
     assert all(len(r.output_ids) == 100 for r in streams)
@@ -139,7 +140,7 @@ def test_prefill_page_deadlock_is_broken(tok, monkeypatch):
     reqs = []
     for ex in exs:
         ids, images = prepare(core, tok, pipeline, ex)
-        reqs.append(core.make_request(ids, params, images=images))
+        reqs.append(core.make_request(RequestSpec(ids, params, images=images)))
     assert all(core.cache.layout.pages_for(r.total_len) == 2 for r in reqs)
     for r in reqs:
         core.add(r)
@@ -161,7 +162,7 @@ def test_prefill_page_deadlock_is_broken(tok, monkeypatch):
     solo_pipeline = ImagePipeline.for_engine(solo_core, tok)
     for ex, r in zip(exs, reqs):
         ids, images = prepare(solo_core, tok, solo_pipeline, ex)
-        alone = solo_core.make_request(ids, params, images=images)
+        alone = solo_core.make_request(RequestSpec(ids, params, images=images))
         solo_core.add(alone)
         solo_core.run_until_idle()
         assert list(r.output_ids) == list(alone.output_ids)

@@ -37,6 +37,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from ..engine.sampling import SamplingParams
+from ..scheduler.spec import RequestSpec
 
 _COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black"]
 OVERHEAD_TARGET = 0.03  # slicing may cost at most 3% of total time (lucebox measured 2.8%)
@@ -155,7 +156,7 @@ def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[
     and a hit would skip the very image prefill this measures."""
     core.reset_prefix_cache()
     greedy = dict(temperature=0, ignore_eos=True)
-    streams = [core.make_request(t, SamplingParams(max_tokens=text_tokens, **greedy)) for t in texts]
+    streams = [core.make_request(RequestSpec(t, SamplingParams(max_tokens=text_tokens, **greedy))) for t in texts]
     for r in streams:
         core.add(r)
     clock, reqs, step = _Clock(streams, tick), [], 0
@@ -163,7 +164,7 @@ def mixed_traffic(core, texts: Sequence[list[int]], images: Sequence[tuple[list[
     with watch_image_passes(core) as slices:
         while core.has_work or (images and not reqs):
             if step == arrive_at and images:
-                reqs = [core.make_request(p, SamplingParams(max_tokens=image_tokens, **greedy), images=ims)
+                reqs = [core.make_request(RequestSpec(p, SamplingParams(max_tokens=image_tokens, **greedy), images=ims))
                         for p, ims in images]
                 clock.arrive(reqs)
                 for r in reqs:
@@ -220,13 +221,13 @@ def _concurrency(core, prompts, new_tokens: int) -> tuple[float, float]:
     core.reset_prefix_cache()
     t0 = time.monotonic()
     for p, ims in prompts:
-        core.add(core.make_request(p, params, images=ims))
+        core.add(core.make_request(RequestSpec(p, params, images=ims)))
         core.run_until_idle()
     sequential = time.monotonic() - t0
     core.reset_prefix_cache()
     t0 = time.monotonic()
     for p, ims in prompts:
-        core.add(core.make_request(p, params, images=ims))
+        core.add(core.make_request(RequestSpec(p, params, images=ims)))
     core.run_until_idle()
     return sequential, time.monotonic() - t0
 

@@ -17,18 +17,16 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 from ..engine.parallel import RankFailure
 from ..engine.plan import member_problems, validate_plan, validate_step_result
-from ..engine.sampling import SamplingParams
 from ..multimodal.layout import TokenType
-from ..multimodal.records import ImageInput
-from ..scheduler.admission import fit_problem
+from ..scheduler.admission import FitLimits, fit
 from ..scheduler.drafting import DraftPolicy
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import Scheduler, SchedulerLimits
+from ..scheduler.spec import RequestSpec
 from .parts import EngineParts
 from .sizing import Resolved
 from .stats import EngineStats, StepRecord, StepTally, frozen
@@ -65,17 +63,18 @@ class EngineCore:
         self.stats: EngineStats = self._snapshot()
 
     # ---- requests ------------------------------------------------------------------------------
-    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                     images: Sequence[ImageInput] | None = None, constraint: Any = None, cache_salt: str = "",
-                     cache_points: Sequence[int] = ()) -> Request:
-        return Request(request_id=request_id or f"req-{next(self._ids)}", prompt_ids=list(prompt_ids),
-                       params=params, eos_ids=self.eos_ids, images=images, constraint=constraint,
-                       cache_salt=cache_salt, cache_points=tuple(cache_points))
+    def make_request(self, spec: RequestSpec, request_id: str | None = None) -> Request:
+        """The scheduler's ``Request`` for ``spec`` (an id is made up when none is given)."""
+        return Request(request_id or f"req-{next(self._ids)}", spec, eos_ids=self.eos_ids)
 
-    def fit_problem(self, prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request of this size can never run here (None: it can); any thread may ask."""
-        return fit_problem(prompt_tokens, max_tokens, self.limits.max_model_len, self.cache.layout.pages_for,
-                           self.cache.state.n_pages)
+    @property
+    def fit_limits(self) -> FitLimits:
+        """The numbers every fit check reads (the scheduler's; any thread may ask)."""
+        return self.scheduler.fit_limits
+
+    def fit(self, spec: RequestSpec) -> str | None:
+        """Why ``spec`` can never run here (None: it can): ``admission.fit``, as ``Scheduler.add`` asks it."""
+        return fit(spec, self.fit_limits)
 
     def add(self, req: Request) -> None:
         if self.broken:

@@ -7,7 +7,8 @@ that stops iterating (client disconnect, cancellation, timeout) aborts its reque
 applied before the next step, so its slot and pages are free when that step is planned.
 
 The server talks to this object only, and only through named methods: ``limits``, ``eos_ids``,
-``logits_width`` and ``model_config`` to validate and prepare, ``submit`` to run, ``abort`` to cancel,
+``logits_width``, ``model_config`` and ``fit_limits`` to validate and prepare, ``submit`` (one
+``RequestSpec`` and an id) to run, ``abort`` to cancel,
 ``alive`` for health, ``stats`` (the core's latest ``EngineStats``) for metrics,
 ``reset_prefix_cache`` and ``on_rank_lost`` for the rest. It never reaches the core behind it (an
 architecture test holds it to that); ``call`` (any function of the core) is for tests and probes.
@@ -20,15 +21,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from ..config import ModelConfig
-from ..engine.sampling import SamplingParams
-from ..multimodal.records import ImageInput
+from ..scheduler.admission import FitLimits, fit
 from ..scheduler.request import Request, RequestOutput
 from ..scheduler.scheduler import QueueFull, RequestTooLarge, SchedulerLimits
+from ..scheduler.spec import RequestSpec
 from .core import EngineCore, FatalStepError
 from .stats import EngineStats
 
@@ -110,6 +111,12 @@ class EngineLoop:
         return self.core.cfg
 
     @property
+    def fit_limits(self) -> FitLimits:
+        """What ``admission.fit`` decides by (the server asks it before it builds a job's grammars;
+        ``check`` and the scheduler ask the same function with the same numbers)."""
+        return self.core.fit_limits
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
 
@@ -139,9 +146,10 @@ class EngineLoop:
         self.core.close()
 
     # ---- API -----------------------------------------------------------------------------------
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ``RequestTooLarge`` / ``QueueFull`` before a stream opens (any thread)."""
-        problem = self.core.fit_problem(prompt_tokens, max_tokens)
+    def check(self, spec: RequestSpec) -> None:
+        """Raise ``RequestTooLarge`` (``admission.fit``'s answer, the same the scheduler gives) /
+        ``QueueFull`` / ``FatalStepError`` before a stream opens (any thread)."""
+        problem = fit(spec, self.fit_limits)
         if problem:
             raise RequestTooLarge(problem)
         if self._in_flight >= self.limits.max_queue + self.core.resolved.max_seqs:
@@ -149,20 +157,16 @@ class EngineLoop:
         if not self.alive:
             raise FatalStepError(self.fatal or "the engine is not running")
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     images: Sequence[ImageInput] | None = None, constraint: Any = None, cache_salt: str = "",
-                     cache_points: Sequence[int] = ()) -> RequestStream:
+    async def submit(self, spec: RequestSpec, request_id: str) -> RequestStream:
         """Hand a request to the engine loop and wait until it is accepted (or refused).
 
         Raises ``RequestTooLarge`` / ``QueueFull`` / ``FatalStepError`` *before* any output, so an
-        HTTP handler can answer 400 / 503 before it opens a stream. ``constraint`` is the request's
-        grammar state (``engine.constraints``), or None for free output. ``cache_salt`` names the
-        prefix-cache tenant (hits only within one salt); ``cache_points`` are extra positions where the
-        prefix cache should keep a snapshot (e.g. the end of the user turn in thinking mode).
+        HTTP handler can answer 400 / 503 before it opens a stream. ``spec`` is the whole request
+        (prompt, sampling, images, grammar state, prefix-cache salt and points); it reaches the
+        scheduler as it is.
         """
-        self.check(len(prompt_ids), params.max_tokens)
-        req = self.core.make_request(prompt_ids, params, request_id=request_id, images=images, constraint=constraint,
-                                     cache_salt=cache_salt, cache_points=cache_points)
+        self.check(spec)
+        req = self.core.make_request(spec, request_id)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop, asyncio.Queue())
         with self._lock:
@@ -179,10 +183,9 @@ class EngineLoop:
             raise
         return RequestStream(self, request_id, waiter)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       images: Sequence[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: RequestSpec, request_id: str) -> AsyncIterator[RequestOutput]:
         """Submit and iterate over the outputs; leaving the loop early aborts the request."""
-        stream = await self.submit(prompt_ids, params, request_id, images)
+        stream = await self.submit(spec, request_id)
         try:
             async for out in stream:
                 yield out

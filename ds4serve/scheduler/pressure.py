@@ -71,6 +71,7 @@ class MemoryPressure:
                 req.slot = None
                 return False
         req.slot = slot
+        req.proposal_at = -1  # a model drafter's block belongs to the slot it was drafted in (model_drafts.take)
         self.parked.remove(req)
         self._enter_running(req)
         self.stats["resumed"] += 1

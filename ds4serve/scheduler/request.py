@@ -1,4 +1,4 @@
-"""One request's state: a status enum that only the scheduler changes, and what is derived from it."""
+"""One request's state: its spec, a status enum that only the scheduler changes, and what is derived from it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from ..engine.encoder import ImageState
 from ..engine.sampling import SamplerState, SamplingParams
 from ..multimodal.records import ImageInput, ImageSpan
+from .spec import RequestSpec
 
 
 class RequestStatus(str, Enum):
@@ -54,12 +55,13 @@ class RequestOutput:
 
 @dataclass
 class Request:
+    """A request in the scheduler: its ``RequestSpec`` (what was asked, never changed) and the state that
+    changes as it runs. The spec's fields are read through it (``req.params`` is ``req.spec.params``)."""
+
     request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    spec: RequestSpec
     eos_ids: tuple[int, ...] = ()
     arrival: float = field(default_factory=time.monotonic)
-    images: Sequence[ImageInput] | None = None  # DS4V: pixels + block layout at absolute positions
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -74,9 +76,6 @@ class Request:
     image_bytes: int = 0  # retained-rows memory accounted to this request
     suspect: int | None = None  # suspect group after a failed step (see isolation.py); None: not suspect
     clear_at: int = 0  # a suspect is cleared once ``computed`` reaches this (past its failed step)
-    constraint: Any = None  # grammar state for the sampler (engine.constraints), None: free output
-    cache_salt: str = ""  # prefix-cache tenant: hits only between requests of the same salt
-    cache_points: tuple[int, ...] = ()  # extra prefix-snapshot positions (e.g. the end of the user turn)
     cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission
     first_image: int = 0  # images before this index lie under that hit: never sent to the encoder
     prefix: Any = None  # the scheduler's prefix-cache bookkeeping (scheduler.reuse.PrefixState)
@@ -85,17 +84,45 @@ class Request:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_skipped: int = 0  # steps its rate did not pay for a draft (scheduler.drafting's probe counts them)
+    proposal: tuple[int, ...] = ()  # a model drafter's block, drafted for the decode row at ``proposal_at``
+    proposal_at: int = -1
+    proposal_survival: tuple[float, ...] = ()  # the drafter's confidence product at each block position
     # prompt logprobs as the prefill steps report them: entry i scores prompt token i + 1 (engine.plan's
     # PromptLogprobs); delivered with the first output (``prompt_lp_sent``), never computed again after that
     prompt_lp: list = field(default_factory=list)
     prompt_lp_sent: bool = False
+    # the spec's prompt as a list, made once here: the drafter joins a slice of it with output (a list)
+    prompt_ids: list[int] = field(init=False)
     sampler: SamplerState = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"request {self.request_id}: empty prompt")
+        if not isinstance(self.spec, RequestSpec):
+            raise TypeError(f"request {self.request_id}: spec must be a RequestSpec, not {type(self.spec).__name__}")
+        self.prompt_ids = list(self.spec.prompt_ids)
         self.sampler = SamplerState(self.params, self.prompt_ids, self.output_ids, self.eos_ids,
                                     constraint=self.constraint)
+
+    # ---- the spec's fields, read through (one record holds them) ------------------------------
+    @property
+    def params(self) -> SamplingParams:
+        return self.spec.params
+
+    @property
+    def images(self) -> tuple[ImageInput, ...]:
+        """DS4V: pixels + block layout at absolute positions (empty: a text request)."""
+        return self.spec.images
+
+    @property
+    def constraint(self) -> Any:
+        return self.spec.constraint
+
+    @property
+    def cache_salt(self) -> str:
+        return self.spec.cache_salt
+
+    @property
+    def cache_points(self) -> tuple[int, ...]:
+        return self.spec.cache_points
 
     @property
     def total_len(self) -> int:

@@ -30,7 +30,8 @@ from ..multimodal.chunking import next_chunk
 from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                            StepStatus)
 from .drafting import DraftPolicy, record
-from .admission import QueueFull, RequestTooLarge, SchedulerLimits, fit_problem
+from .step_costs import StepCosts
+from .admission import FitLimits, QueueFull, RequestTooLarge, SchedulerLimits, fit, image_bytes
 from .isolation import Quarantine
 from .passes import PassTable
 from . import prompt_scores
@@ -48,6 +49,8 @@ class Scheduler(MemoryPressure):
                  drafting: DraftPolicy | None = None):
         self.limits = limits
         self.drafting = drafting  # speculative decoding's drafter and limits; None: no drafts
+        self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
+        self._planned_at = time.perf_counter()
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
@@ -69,14 +72,18 @@ class Scheduler(MemoryPressure):
 
     # ---- intake --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        self.check_fits(len(req.prompt_ids), req.params.max_tokens)
-        if req.images:
-            self._check_images(req)
+        """Queue ``req``; ``RequestTooLarge`` when ``fit`` says it can never run here, ``QueueFull`` at the
+        bound (both counted as rejected), ``ValueError`` for a duplicate id."""
+        problem = fit(req.spec, self.fit_limits)
+        if problem:
+            self.stats["rejected"] += 1
+            raise RequestTooLarge(problem)
         if self.in_flight >= self.cache.n_slots + self.limits.max_queue:
             self.stats["rejected"] += 1
             raise QueueFull(f"the queue is full ({self.limits.max_queue} waiting requests)")
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
+        req.image_bytes = image_bytes(req.images, self.fit_limits)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         self.stats["added"] += 1
@@ -89,25 +96,14 @@ class Scheduler(MemoryPressure):
         burst must not be refused while slots are free."""
         return len(self.running) + len(self.parked) + len(self.waiting)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        problem = fit_problem(prompt_tokens, max_tokens, self.limits.max_model_len, self.cache.layout.pages_for,
-                              self.cache.state.n_pages)
-        if problem:
-            self.stats["rejected"] += 1
-            raise RequestTooLarge(problem)
-
-    def _check_images(self, req: Request) -> None:
-        if self.encoder is None:
-            raise ValueError("this model has no vision encoder; send text only")
-        req.image_bytes = sum(self.encoder.row_bytes(im.n_rows) for im in req.images)
-        if req.image_bytes > self.limits.image_rows_budget:
-            self.stats["rejected"] += 1
-            raise RequestTooLarge(f"the request's images need {req.image_bytes} bytes of encoded rows, more than the "
-                                  f"image budget of {self.limits.image_rows_budget} bytes; send fewer or smaller images")
-        for im in req.images:
-            if im.block.length > self.limits.max_prefill_tokens:
-                raise RequestTooLarge(f"an image block of {im.block.length} tokens exceeds the largest prefill pass "
-                                      f"({self.limits.max_prefill_tokens} tokens)")
+    @property
+    def fit_limits(self) -> FitLimits:
+        """The numbers ``fit`` decides by, from the limits, cache and encoder this scheduler has now
+        (derived on each call, so a test that swaps in other limits or an encoder is asked consistently)."""
+        return FitLimits(max_model_len=self.limits.max_model_len, page_tokens=self.cache.layout.page_tokens,
+                         n_pages=self.cache.state.n_pages, max_prefill_tokens=self.limits.max_prefill_tokens,
+                         image_rows_budget=self.limits.image_rows_budget,
+                         image_row_bytes=self.encoder.row_bytes(1) if self.encoder is not None else 0)
 
     def abort(self, request_id: str, reason: str | None = None) -> bool:
         """Cancel a request at any point; its slot, pages, snapshot or pass are freed now."""
@@ -133,6 +129,7 @@ class Scheduler(MemoryPressure):
 
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        self._planned_at = time.perf_counter()  # a decode step's cost runs from here to the end of apply
         self._resume_parked()
         self._admit_waiting()
         decodes, passes = [], []
@@ -206,7 +203,7 @@ class Scheduler(MemoryPressure):
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
         if self.drafting is None or not decoders:
             return {}
-        return self.drafting.plan(decoders, self.limits)
+        return self.drafting.plan(decoders, self.limits, self.step_costs.costs())
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
@@ -325,6 +322,8 @@ class Scheduler(MemoryPressure):
                 self._accept(req, SampledToken(tok.request_id, tok.slot, t, logprob=lp[0] if lp else None,
                                                top_logprobs=lp[1] if lp else None))
             self._accept(req, tok)
+            req.proposal, req.proposal_at = tok.proposal, req.computed  # drafted for its next decode row
+            req.proposal_survival = tok.proposal_survival
         for req in advanced:
             if not req.status.finished:  # finished ones were snapshotted (or not, on errors) by _finish
                 self.reuse.after_prefill(req)
@@ -332,6 +331,9 @@ class Scheduler(MemoryPressure):
             req = self.requests.get(rid)
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
+        if self.drafting is not None and plan.decodes and not plan.passes:
+            self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
+                                    time.perf_counter() - self._planned_at)
         return self.take_outputs()
 
     def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:

@@ -2,7 +2,9 @@
 
 Rendering, tokenizing and image decoding run in the worker pool (``state.run_blocking``), never on
 the event loop; by the end the prompt length is known exactly and every refusal a client can fix
-has been a 4xx. A job then goes to ``serving.respond``; nothing here runs the engine.
+has been a 4xx. What the engine runs is built here, once: one ``RequestSpec`` per choice, handed
+down whole by ``serving.admit``, where ``EngineLoop.submit`` asks ``fit`` whether it can ever run (a
+400 before any stream opens). A job then goes to ``serving.respond``; nothing here runs the engine.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..chat import ChatFormatError, DS4Prompt, render_completion, render_ds4
 from ..multimodal.records import ImageInput
-from ..runtime import RequestStream, SamplingError, SamplingParams
+from ..runtime import RequestSpec, RequestStream, SamplingError, SamplingParams
 from . import constrained
 from .chat_request import ChatSetup, chat_setup, check_generation
 from .keys import tenant_salt
@@ -30,12 +32,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Job:
-    """A validated request ready to run: one prompt per entry of ``prompts``, ``n`` choices each."""
+    """A validated request ready to run: ``specs`` (what the engine runs, one per choice) and how its
+    answer is shaped (stops, logprobs, streaming, usage, the chat parser)."""
 
     kind: Literal["chat", "completion"]
     request_id: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]  # one per choice (index = prompt_index * n + i)
+    specs: list[RequestSpec]  # one per choice (index = prompt_index * n + i), handed to the engine whole
     n: int
     stops: list[str]
     skip_special: bool
@@ -43,20 +45,26 @@ class Job:
     stream: bool
     include_usage: bool
     arrival: float
-    images: list[ImageInput] | None = None  # DS4V: one record per image block of the (single) prompt
     chat: ChatSetup | None = None  # a chat job: how its output is parsed (reasoning, content, tool calls)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
-    constraints: list[Any] | None = None  # per choice: its grammar matcher (constrained.py) or None
     streams: list[RequestStream] = field(default_factory=list)  # accepted engine requests, one per choice
     record: RequestRecord | None = None  # the request's access-log record (None outside HTTP)
     cancelled: str | None = None  # why the server stopped it early, once it has
     finished_choices: int = 0  # choices whose finish reason the consumer has seen
     key_name: str = ""  # the API key's name ("" without keys): the metrics label and the salt's tenant part
-    cache_salt: str = ""  # the prefix-cache salt handed to the engine (keys.tenant_salt)
-    cache_points: tuple[int, ...] = ()  # extra prefix-snapshot positions (chat in thinking mode)
     cached: list[int] = field(default_factory=list)  # per choice: prompt tokens from the prefix cache
     echo: bool = False  # completions: the prompt's text (and logprobs) before the output (prompt_echo.py)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top N, None when not asked
+
+    @property
+    def prompts(self) -> list[tuple[int, ...]]:
+        """The prompts, one per ``n`` choices (each choice's spec holds its prompt)."""
+        return [self.specs[i].prompt_ids for i in range(0, len(self.specs), self.n)]
+
+    @property
+    def params(self) -> list[SamplingParams]:
+        """Each choice's sampling parameters (from its spec)."""
+        return [s.params for s in self.specs]
 
     @property
     def log_id(self) -> str:
@@ -103,14 +111,14 @@ def _check_model(state: ServerState, body: SamplingFields) -> None:
 
 
 def _max_tokens(state: ServerState, requested: int | None, prompt_len: int) -> int:
-    limit = state.loop.limits.max_model_len
+    """The client's ``max_tokens``, else the server's default within the room the prompt leaves in the
+    context and in the page pool (at least 1: a prompt that leaves none is then refused by ``fit`` on
+    submit, which says which limit it fills). Not a fit check itself: the server has one door, submit."""
     if requested is not None:
         return requested
-    room = limit - prompt_len
-    if room < 1:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) fills the context limit of {limit} tokens",
-                       param="messages", code="context_length_exceeded")
-    return min(state.limits.default_max_tokens, room)
+    lim = state.loop.fit_limits
+    room = min(lim.max_model_len, lim.n_pages * lim.page_tokens) - prompt_len
+    return min(state.limits.default_max_tokens, max(room, 1))
 
 
 def _stop_ids(state: ServerState, body: SamplingFields) -> tuple[int, ...]:
@@ -177,17 +185,17 @@ async def build_chat(state: ServerState, body: ChatCompletionRequest, request_id
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     stop_ids, bias = _stop_ids(state, body), logit_bias_of(state, body)
-    spec = constrained.spec_of(setup, body)
-    budget = constrained.reasoning_budget(setup, body.max_reasoning_tokens, max_tokens, spec is not None)
+    grammar = constrained.spec_of(setup, body)
+    budget = constrained.reasoning_budget(setup, body.max_reasoning_tokens, max_tokens, grammar is not None)
     params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias),
                                   max_reasoning_tokens=budget, prompt_logprobs=body.prompt_logprobs)
               for i in range(body.n)]
-    grammars = await state.run_blocking(constrained.matchers, state, setup, spec, body.n, budget)
-    return Job("chat", request_id, [prompt], params, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
-               body.stream, _include_usage(body), time.monotonic(), images=images, chat=setup,
-               continuous_usage=continuous, constraints=grammars, key_name=key_name,
-               cache_salt=tenant_salt(key_name, body.cache_salt), cache_points=user_turn_end(state, setup, prompt),
-               prompt_logprobs=body.prompt_logprobs)
+    grammars = await state.run_blocking(constrained.matchers, state, setup, grammar, body.n, budget)
+    salt, points, ids = tenant_salt(key_name, body.cache_salt), user_turn_end(state, setup, prompt), tuple(prompt)
+    specs = [RequestSpec(ids, p, images, g, salt, points) for p, g in zip(params, grammars)]
+    return Job("chat", request_id, specs, body.n, body.stop_list(), body.skip_special_tokens, logprobs,
+               body.stream, _include_usage(body), time.monotonic(), chat=setup, continuous_usage=continuous,
+               key_name=key_name, prompt_logprobs=body.prompt_logprobs)
 
 
 def user_turn_end(state: ServerState, setup: ChatSetup, prompt: list[int]) -> tuple[int, ...]:
@@ -239,12 +247,13 @@ async def build_completion(state: ServerState, body: CompletionRequest, request_
     stop_ids, bias = _stop_ids(state, body), logit_bias_of(state, body)
     logprobs = body.logprobs
     scored = prompt_scoring(body.prompt_logprobs, logprobs if body.echo else None)
-    params = [dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias), prompt_logprobs=scored)
-              for _ in prompts for i in range(body.n)]
-    return Job("completion", request_id, prompts, params, body.n, body.stop_list(), body.skip_special_tokens,
+    salt = tenant_salt(key_name, body.cache_salt)
+    specs = [RequestSpec(ids, dataclasses.replace(sampling_params(body, max_tokens, logprobs, i, stop_ids, bias),
+                                                  prompt_logprobs=scored), cache_salt=salt)
+             for ids in map(tuple, prompts) for i in range(body.n)]
+    return Job("completion", request_id, specs, body.n, body.stop_list(), body.skip_special_tokens,
                logprobs, body.stream, _include_usage(body), time.monotonic(), continuous_usage=_continuous_usage(body),
-               key_name=key_name, cache_salt=tenant_salt(key_name, body.cache_salt), echo=body.echo,
-               prompt_logprobs=body.prompt_logprobs)
+               key_name=key_name, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
 
 
 def prompt_scoring(prompt_logprobs: int | None, echo_logprobs: int | None) -> int | None:

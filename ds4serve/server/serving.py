@@ -67,7 +67,10 @@ class ChoiceStream:
         ended_by_eos = out.finish_reason == "stop"
         ids = [t for t in out.new_token_ids if not (ended_by_eos and t in eos)]
         finish = out.finish_reason if out.finished else None
-        lps = self._logprobs(out, eos if ended_by_eos else ()) if self.logprobs is not None else []
+        # the EOS that ended a chat answer is not part of it, so not an entry either; completions keep its
+        # entry (vLLM does): echo + max_tokens then always has prompt + completion_tokens entries (lm-eval)
+        hidden = eos if ended_by_eos and self.chat is not None else ()
+        lps = self._logprobs(out, hidden) if self.logprobs is not None else []
         head, head_lps, prompt_lps = self._prompt(out)
         if self.chat is not None:
             deltas = tuple(self.chat.feed(ids, finish is not None))
@@ -95,7 +98,7 @@ class ChoiceStream:
             return "", [], None
         self.first = False
         job, tok = self.job, self.state.tokenizer
-        prompt = job.prompts[self.index // job.n]
+        prompt = job.specs[self.index].prompt_ids
         scores = out.prompt_logprobs or ()
         text, entries, vllm = "", [], None
         if job.echo:
@@ -161,13 +164,9 @@ async def respond(state: ServerState, job: Job, request: Request, stream: Answer
 async def admit(state: ServerState, job: Job) -> None:
     """Submit every choice and wait for the engine to accept them all, so a refusal is an HTTP
     error before any stream opens: too large (400) or at capacity (503)."""
-    prompts = [p for p in job.prompts for _ in range(job.n)]
     try:
-        for idx, (p, params) in enumerate(zip(prompts, job.params)):
-            grammar = job.constraints[idx] if job.constraints else None
-            job.streams.append(await state.loop.submit(p, params, f"{job.request_id}-{idx}", images=job.images,
-                                                       constraint=grammar, cache_salt=job.cache_salt,
-                                                       cache_points=job.cache_points))
+        for idx, spec in enumerate(job.specs):
+            job.streams.append(await state.loop.submit(spec, f"{job.request_id}-{idx}"))
     except BaseException as exc:
         for st in job.streams:
             await st.aclose()
@@ -209,7 +208,7 @@ def mark_cancelled(job: Job, reason: str) -> None:
 async def events(state: ServerState, job: Job) -> AsyncIterator[Event]:
     """Merge every choice's events; aborts whatever is still running when the consumer stops."""
     queue: asyncio.Queue[Event | None] = asyncio.Queue()
-    choices = [ChoiceStream(state, idx, len(job.prompts[idx // job.n]), job) for idx in range(len(job.params))]
+    choices = [ChoiceStream(state, idx, spec.prompt_tokens, job) for idx, spec in enumerate(job.specs)]
     tasks = [asyncio.create_task(_pump(state, job, cs, stream, queue)) for cs, stream in zip(choices, job.streams)]
     remaining = len(tasks)
     try:
@@ -228,7 +227,7 @@ async def events(state: ServerState, job: Job) -> AsyncIterator[Event]:
 
 async def _pump(state: ServerState, job: Job, cs: ChoiceStream, stream: RequestStream,
                 queue: asyncio.Queue[Event | None]) -> None:
-    prompt = job.prompts[cs.index // job.n]
+    prompt = job.specs[cs.index].prompt_ids
     try:
         async for out in stream:
             ev = cs.feed(out)

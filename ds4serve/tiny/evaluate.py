@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..chat import IncrementalDetokenizer, Tokenizer, render_chat
 from ..engine.sampling import SamplingParams
+from ..scheduler.spec import RequestSpec
 from ..multimodal.pipeline import ImagePipeline
 from .data import TASKS, Example, examples, messages
 
@@ -63,7 +64,7 @@ def run_examples(core, tok: Tokenizer, pipeline: ImagePipeline, exs: list[Exampl
         while pending and len(live) < in_flight:
             i, ex = pending.pop(0)
             ids, images = prepare_fn(core, tok, pipeline, ex)
-            req = core.make_request(ids, params, images=images)
+            req = core.make_request(RequestSpec(ids, params, images=images))
             core.add(req)
             live[req.request_id] = (i, req)
         for out in core.step():
