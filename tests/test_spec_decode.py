@@ -17,6 +17,7 @@ import torch
 from ds4serve.config import ConfigError
 from ds4serve.engine.plan import DecodeRow, PassMember, PassSlice, StepPlan
 from ds4serve.engine.sampling import SamplerState, SamplingParams
+from ds4serve.scheduler.spec import RequestSpec
 from model_helpers import feed, random_ids
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -151,7 +152,7 @@ def test_ngram_drafts_commit_what_plain_decoding_commits(n_prompts, mode, llm_fa
     spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM, warmup=False)
     outs = {}
     for name, llm in (("plain", plain), ("spec", spec)):
-        reqs = [llm.core.make_request(p, q) for p, q in zip(prompts, params)]
+        reqs = [llm.core.make_request(RequestSpec(p, q)) for p, q in zip(prompts, params)]
         feed(llm.core, reqs, 2)
         assert llm.core.leaks() == "", llm.core.leaks()
         outs[name] = [(list(r.output_ids), r.output_logprobs) for r in reqs]
@@ -198,7 +199,7 @@ def test_drafting_turns_down_as_the_batch_fills():
     def decoders(n: int, rate: float) -> list[Request]:
         out = []
         for i in range(n):
-            r = Request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50, temperature=0.0))
+            r = Request(f"r{i}", RequestSpec([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50, temperature=0.0)))
             r.output_ids.append(3)
             r.draft_rate = rate
             out.append(r)
@@ -228,7 +229,11 @@ def test_the_step_contract_checks_an_accepted_run_against_its_draft():
     assert "not a prefix of its draft" in validate_step_result(plan, bad, 2)
 
 
-def test_methods_this_build_cannot_run_are_refused(llm_factory):
-    for method in ("dspark", "mtp"):
-        with pytest.raises(ConfigError, match="not run by this build"):
-            llm_factory("A", speculative=json.dumps({"method": method}))
+def test_a_drafter_the_checkpoint_lacks_is_refused(llm_factory):
+    """Checkpoint A ships no drafter: asking for one stops start-up with an error naming what is missing
+    (never a silent fallback to plain decoding); ``auto`` runs nothing."""
+    with pytest.raises(ConfigError, match="no DSpark drafter"):
+        llm_factory("A", speculative=json.dumps({"method": "dspark"}))
+    with pytest.raises(ConfigError, match="claims an MTP block, but the checkpoint has no mtp.0"):
+        llm_factory("A", speculative=json.dumps({"method": "mtp"}))
+    assert llm_factory("A", speculative="auto", warmup=False).core.engine.drafts is None

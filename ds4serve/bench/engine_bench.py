@@ -122,11 +122,13 @@ class _Ours:
     def _add(self, n: int) -> None:
         """``n`` random greedy requests of ``prompt_len`` tokens, each decoding ``new_tokens``."""
         from ..engine.sampling import SamplingParams
+        from ..scheduler.spec import RequestSpec
 
         core = self.llm.core
         params = SamplingParams(max_tokens=self.new_tokens, temperature=0.0, ignore_eos=True)
         for _ in range(n):
-            core.add(core.make_request(torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist(), params))
+            ids = torch.randint(2, 1000, (self.prompt_len,), generator=self.gen).tolist()
+            core.add(core.make_request(RequestSpec(ids, params)))
 
     def __call__(self, n: int) -> tuple[float, float]:
         core = self.llm.core
@@ -182,9 +184,9 @@ class _Ours:
         engine, spent, times = core.engine, [], []
         forward = engine._forward
 
-        def timed(view):
+        def timed(view, *rest):
             t = time.perf_counter()
-            out = forward(view)
+            out = forward(view, *rest)
             spent.append(time.perf_counter() - t)
             return out
 

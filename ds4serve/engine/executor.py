@@ -27,12 +27,15 @@ from ..environment import openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_decode import HostDecoder, description as host_build
+from .capture import CapturePlan
 from .decode_graphs import DecodeRunner, resolve_mode
-from .drafted import row_states, settle
+from .drafted import Verified, draftable, row_states, settle
+from .model_drafts import Ask, Fed, ModelDrafts
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
 from .prompt_scoring import ScoredRows, keep_rows, score
 from .sampling import sample_rows
+from .spec_verify import Draft, verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,34 @@ class _Owner:
     slot: int
     sampler: object
     draft: tuple[int, ...] = ()
+    position: int = -1  # a decoder's: where its token is fed (a model draft is checked against it)
 
     @property
     def rows(self) -> int:
         return 1 + len(self.draft)
+
+
+class _Fed:
+    """The sequences of one step's forwards and their captured rows, for the model drafter."""
+
+    def __init__(self) -> None:
+        self.entries: list[Fed] = []
+        self._parts: list[torch.Tensor] = []
+        self._rows = 0
+
+    def add(self, chunks: list[tuple[SeqChunk, str]], captured: torch.Tensor) -> None:
+        at = self._rows
+        for chunk, request_id in chunks:
+            ids = chunk.ids.tolist() if isinstance(chunk.ids, torch.Tensor) else chunk.ids
+            self.entries.append(Fed(request_id, chunk.slot, chunk.start, tuple(ids), at))
+            at += len(chunk.ids)
+        if at - self._rows != captured.shape[0]:
+            raise StepError(f"{captured.shape[0]} captured rows for {at - self._rows} fed rows")
+        self._parts.append(captured)
+        self._rows = at
+
+    def rows(self) -> torch.Tensor:
+        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
 
 
 @dataclass
@@ -57,6 +84,7 @@ class _PassState:
     view: BatchView
     rope: RopeTables | None  # the torch path's rotations, made on its first slice (None: not yet, or native)
     cursor: int
+    captured: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # a drafter's, by layer
 
 
 class StepError(RuntimeError):
@@ -88,6 +116,13 @@ class Engine:
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
         self.host = self._host_decoder(host_kernels)
+        self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
+        self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
+
+    def use_drafter(self, drafts: ModelDrafts) -> None:
+        """Run ``drafts`` with every step: its captures split the forward, its blocks are verified
+        against their own ``q`` (decode graphs are not used with it: their fixed forward has no split)."""
+        self.drafts, self.capture = drafts, drafts.plan
 
     def _host_decoder(self, mode: str) -> HostDecoder | None:
         if mode == "off" or self.model is None:
@@ -131,11 +166,24 @@ class Engine:
                 return f"{name} of {what} differ by {diff:.3g} (scale {scale:.3g})"
         return None
 
-    def _forward(self, view: BatchView) -> torch.Tensor:
-        """Embedding + every layer: natively where the host decoder takes the view, else torch."""
+    def _forward(self, view: BatchView, into: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Embedding + every layer: natively where the host decoder takes the view, else torch. With
+        ``into`` and a ``capture`` plan (a model drafter's), the captured layers' outputs land there."""
+        if into is not None and self.capture is not None:
+            return self.capture.run(functools.partial(self._segment, view, None), None, 0, self.num_layers, into)
         if self.host is not None and self.host.takes(view):
             return self.host.forward(view)
         return self._decode_forward(view)
+
+    def _segment(self, view: BatchView, rope: RopeTables | None, streams: torch.Tensor | None, start: int,
+                 stop: int) -> torch.Tensor:
+        """Layers ``[start, stop)`` of ``view``, from its embedding when ``streams`` is None: one piece of
+        a forward split for captures (``capture.CapturePlan``), bit-equal to the same layers unsplit."""
+        if self.host is not None and self.host.takes(view):
+            return self.host.forward(view, start, stop, streams)
+        if streams is None:
+            streams = self.model.embed(view)
+        return self.model.forward_layers(streams, view, self.cache.state.layers, start, stop, rope=rope)
 
     def _decode_forward(self, view: BatchView) -> torch.Tensor:
         return self.model.forward_layers(self.model.embed(view), view, self.cache.state.layers)
@@ -174,16 +222,35 @@ class Engine:
         owners: list[_Owner] = []
         scored: list[ScoredRows] = []  # prompt rows to score (``prompt_scoring``), members that ask only
         saved = None
+        fed = _Fed()  # what a model drafter reads of this step (``model_drafts``), when one runs
         if plan.decodes or whole:
-            saved = self._merged_forward(plan.decodes, whole, rows, owners, scored)
+            saved = self._merged_forward(plan.decodes, whole, rows, owners, scored, fed)
         progress = [PassProgress(p.pass_id, L, True) for p in whole]
         for p in sliced:
-            progress.append(self._advance(p, rows, owners, scored))
+            progress.append(self._advance(p, rows, owners, scored, fed))
         tokens = self._sample(rows, owners)
         if saved is not None:  # the rejected tail of every draft leaves no trace in the rings
             accepted = {t.slot: len(t.accepted) for t in tokens}
             saved.restore([accepted.get(s.slot, 0) for s in saved.spans])
+        if self.drafts is not None and self.sample:
+            tokens = self._draft_next(fed, plan.decodes, owners, tokens)
         return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else ()
+
+    def _draft_next(self, fed: "_Fed", decodes: tuple[DecodeRow, ...], owners: list[_Owner],
+                    tokens: list[SampledToken]) -> list[SampledToken]:
+        """The model drafter's turn (``model_drafts``): commit what this step committed, then draft the
+        next block of every sequence that got a token; each token carries its block's tokens."""
+        ok = {t.slot: t for t in tokens if t.status is RowStatus.OK}
+        kept = {d.slot: 1 + len(ok[d.slot].accepted) if d.slot in ok else 0 for d in decodes}
+        if fed.entries:
+            self.drafts.commit(fed.entries, fed.rows(), kept)
+        position = {f.slot: f.start + kept.get(f.slot, len(f.ids)) for f in fed.entries}
+        asks = [Ask(o.request_id, o.slot, ok[o.slot].token, position[o.slot], o.sampler,
+                    len(o.sampler.output_ids) + 1 + len(ok[o.slot].accepted))  # its block's first output index
+                for o in owners if o.slot in ok and o.slot in position and draftable(o.sampler)]
+        proposals = self.drafts.propose(asks)
+        return [dataclasses.replace(t, proposal=proposals[t.slot].tokens, proposal_survival=proposals[t.slot].survival)
+                if t.slot in proposals else t for t in tokens]
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """The LM head the steps sample with: native where the host forward runs, else torch."""
@@ -196,11 +263,11 @@ class Engine:
         return self.head(self._forward(self._view(chunks)))
 
     def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows,
-                        owners, scored: list[ScoredRows]) -> SavedRings | None:
+                        owners, scored: list[ScoredRows], fed: "_Fed") -> SavedRings | None:
         """Every decoder (with its draft) and every whole pass in one forward; returns the ring rows the
         drafts overwrite (``draft_rows``), saved before the forward, or None without drafts."""
         chunks = [SeqChunk(d.slot, d.position, (d.token, *d.draft), self.cache.block_table(d.slot)) for d in decodes]
-        want = [_Owner(d.request_id, d.slot, d.sampler, d.draft) for d in decodes]
+        want = [_Owner(d.request_id, d.slot, d.sampler, d.draft, d.position) for d in decodes]
         for p in whole:
             for m in p.members:
                 chunks.append(self._member_chunk(m))
@@ -210,10 +277,15 @@ class Engine:
             raise StepError("drafts need the sampling rank's verification; this engine does not sample")
         saved = SavedRings(self.cache.state, spans) if spans else None
         view = self._view(chunks)
-        graphs = self.decode.enabled and not whole and not spans and view.is_image is None
+        graphs = self.decode.enabled and not whole and not spans and view.is_image is None and self.drafts is None
         streams = self.decode.run(view, len(chunks)) if graphs else None
         if streams is None:
-            streams = self._forward(view)
+            into: dict[int, torch.Tensor] | None = {} if self.drafts is not None else None
+            streams = self._forward(view, into)
+            if into is not None:
+                fed.add([(c, d.request_id) for c, d in zip(chunks, decodes)]
+                        + [(c, m.request_id) for c, m in zip(chunks[len(decodes):], [m for p in whole for m in p.members])],
+                        self.capture.rows(into))
         ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0).tolist()
         for e, m in zip(ends[len(decodes):], [m for p in whole for m in p.members]):
             keep_rows(m, streams, e - len(m.ids), scored)
@@ -231,7 +303,7 @@ class Engine:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
                         captures=m.captures)
 
-    def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows]) -> PassProgress:
+    def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows], fed: "_Fed") -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
         st = self._passes.get(p.pass_id)
         if p.layer_start == 0:
@@ -258,6 +330,8 @@ class Engine:
             self._store_staging(st.members, streams)
             return PassProgress(p.pass_id, st.cursor, False)
         self._passes.pop(p.pass_id, None)
+        if self.drafts is not None:
+            fed.add([(self._member_chunk(m), m.request_id) for m in st.members], self.capture.rows(st.captured))
         ends = (torch.cumsum(torch.tensor([len(m.ids) for m in p.members]), 0) - 1).tolist()
         for e, m in zip(ends, p.members):
             keep_rows(m, streams, e + 1 - len(m.ids), scored)
@@ -268,14 +342,14 @@ class Engine:
         return PassProgress(p.pass_id, st.cursor, True)
 
     def _layers(self, st: _PassState, streams: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
-        """Layers ``[start, stop)`` of a pass (from its embedding when ``streams`` is None)."""
-        if self.host is not None and self.host.takes(st.view):
-            return self.host.forward(st.view, start, stop, streams)
-        if streams is None:
-            streams = self.model.embed(st.view)
-        if st.rope is None:
+        """Layers ``[start, stop)`` of a pass (from its embedding when ``streams`` is None); with a
+        ``capture`` plan, the captured layers in the range land in ``st.captured``."""
+        if (self.host is None or not self.host.takes(st.view)) and st.rope is None:
             st.rope = self.model.rope_tables(st.view)
-        return self.model.forward_layers(streams, st.view, self.cache.state.layers, start, stop, rope=st.rope)
+        forward = functools.partial(self._segment, st.view, st.rope)
+        if self.capture is not None:
+            return self.capture.run(forward, streams, start, stop, st.captured)
+        return forward(streams, start, stop)
 
     def _shrink(self, p: PassSlice, st: _PassState) -> None:
         """Members left the pass (aborted): continue with the rest, re-indexed for their rows only."""
@@ -283,6 +357,12 @@ class Engine:
         kept = [m.request_id for m in p.members]
         if not set(kept) <= set(before) or kept != [r for r in before if r in kept]:
             raise StepError(f"pass {p.pass_id}: members {kept} are not an ordered subset of {before}")
+        if st.captured:  # the kept members' rows of what earlier slices captured
+            starts = torch.cumsum(torch.tensor([0] + [len(m.ids) for m in st.members]), 0).tolist()
+            rows = [r for i, m in enumerate(st.members) if m.request_id in kept
+                    for r in range(starts[i], starts[i + 1])]
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            st.captured = {layer: t.index_select(0, index) for layer, t in st.captured.items()}
         st.members = p.members
         st.view = self._view([self._member_chunk(m) for m in p.members])
         st.rope = None
@@ -305,14 +385,33 @@ class Engine:
             return []
         streams = torch.cat(rows) if len(rows) > 1 else rows[0]
         logits = self.head(streams)
+        if self.drafts is not None and self.drafts.rejection and any(o.draft for o in owners):
+            return self._verify(logits, owners)
         draws = sample_rows(logits, [s for o in owners for s in row_states(o.sampler, o.draft, logits.device)])
         out, start = [], 0
         for o in owners:
             v = settle(draws[start:start + o.rows], o.draft)
             start += o.rows
-            tok = self._token(o, v.draw)
-            out.append(dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs)
-                       if v.accepted else tok)
+            out.append(self._settled(o, v))
+        return out
+
+    def _settled(self, o: _Owner, v: Verified) -> SampledToken:
+        tok = self._token(o, v.draw)
+        return dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs) if v.accepted else tok
+
+    def _verify(self, logits: torch.Tensor, owners: list[_Owner]) -> list[SampledToken]:
+        """A model drafter's blocks: exact rejection sampling against the ``q`` each was drawn from
+        (``spec_verify.verify_rows``; greedy requests: plain greedy decoding's tokens), every row once."""
+        drafts = [self.drafts.take(o.slot, o.position, o.draft) if o.draft else Draft() for o in owners]
+        out = []
+        for o, v in zip(owners, verify_rows(logits, [o.sampler for o in owners], drafts)):
+            if not v.ok:
+                out.append(SampledToken(o.request_id, o.slot, -1, status=RowStatus.FAILED, error=v.error))
+                log.error("request %s (slot %d): %s", o.request_id, o.slot, v.error)
+                continue
+            lps = tuple((d.logprob, d.top_logprobs or ()) if d.logprob is not None else None
+                        for d in v.draws[:v.accepted])
+            out.append(self._settled(o, Verified(v.tokens[:v.accepted], lps, v.draws[v.accepted])))
         return out
 
     @staticmethod

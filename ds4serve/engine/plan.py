@@ -128,6 +128,9 @@ class SampledToken:
     # then the target's own sample at the first rejected or the bonus row), with their logprobs
     accepted: tuple[int, ...] = ()
     accepted_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] = ()
+    # a model drafter's next block for this sequence (fed after ``token``); the engine keeps its ``q``
+    proposal: tuple[int, ...] = ()
+    proposal_survival: tuple[float, ...] = ()  # P(its first i + 1 tokens all survive), by the drafter's confidence
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from .parallel import ParallelGroup, ParallelSettings, start_group
 from .parts import EngineParts
 from .sizing import Resolved, resolve
 from .speculation import draft_policy
+from .tier_setup import attach_tiers
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def check_decode_graphs(mode: str) -> None:
 def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings | None = None,
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None,
-                  parallel: ParallelGroup | None = None, startup: Mapping[str, float] | None = None) -> EngineCore:
+                  parallel: ParallelGroup | None = None, startup: Mapping[str, float] | None = None,
+                  checkpoint: Path | None = None) -> EngineCore:
     """Build the parts, warm them up and calibrate the step budget on them (with ``settings.warmup``;
     a fake engine is never calibrated), then construct the core from the finished parts.
     ``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes).
@@ -67,7 +69,8 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
     phases = dict(startup or {})
     parts = build_parts(cfg, model, s, torch.device(device), dtype, eos_ids, engine_factory, parallel)
     limits = scheduler_limits(cfg, s, parts.resolved)
-    drafting = draft_policy(cfg, s.speculative, parts.cache, tensor_parallel=parallel is not None)
+    drafting = draft_policy(cfg, s.speculative, parts.cache, tensor_parallel=parallel is not None,
+                            checkpoint=checkpoint, model=model, engine=parts.engine)
     phases["engine"] = time.perf_counter() - t0
     try:
         if s.warmup:
@@ -81,6 +84,7 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
         if parts.encoder is not None:  # the worker thread; a group is the caller's to close
             parts.encoder.shutdown()
         raise
+    attach_tiers(parts, model)  # after the warm-up: the fingerprint names the forward it settled on
     return EngineCore(parts, limits, phases, drafting)
 
 
@@ -173,7 +177,8 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
     loaded = time.perf_counter() - t0
     eos = tuple(dict.fromkeys((*extra_eos, *cfg.eos_token_ids)))
     try:
-        core = assemble_core(cfg, model, s, device, dt, eos_ids=eos, parallel=group, startup={"load": loaded})
+        core = assemble_core(cfg, model, s, device, dt, eos_ids=eos, parallel=group, startup={"load": loaded},
+                             checkpoint=Path(model_dir))
     except BaseException:
         if group is not None:
             group.close(None)

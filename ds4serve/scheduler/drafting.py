@@ -1,8 +1,13 @@
 """Which decoders carry a draft this step, and how long (speculative decoding, issue 28).
 
-A draft row costs what a prefill row costs (``c`` of the start-up fit ``step = a + b n + c P``,
-``runtime/calibrate.py``). A request drafts only while its acceptance rate pays for its rows beside the
-step's ``n`` decoders (``worth``: ``rate > c n / (a + b n)``), so drafting turns itself down as the batch
+Drafts come from prompt lookup here (``source="ngram"``: ``engine.ngram.propose``) or from the
+checkpoint's drafter (``source="model"``): the block the engine drafted for this very row after the last
+step (``Request.proposal``), cut where the drafter's survival estimate falls below ``confidence``.
+
+A decode step of ``n`` decoders carrying ``D`` draft rows costs ``a + b n + c D`` (``step_costs``: fitted
+from the steps' own wall time while serving, the start-up calibration of the forward as its prior). A
+request drafts only while its acceptance rate pays for its rows beside the step's ``n`` decoders
+(``worth``: ``rate > c n / (a + b n)``), so drafting turns itself down as the batch
 fills and a loaded server is not slower for it; and all drafts together take at most ``share`` of the
 rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``, the rest stays with
 prefill progress). Requests whose drafts were accepted most often go first, and each drafts
@@ -10,9 +15,9 @@ prefill progress). Requests whose drafts were accepted most often go first, and 
 (starting at 1, as a new request has no history). A request whose rate does not pay drafts a single
 token every ``PROBE_EVERY`` steps, so a rate that fell during one stretch of text can recover in the next.
 
-Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts:
-no penalties (they read the history the draft extends), no grammar (its state would have to follow the
-draft), ``min_tokens`` reached (bans change with the count). Their drafts are verified exactly
+Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
+(``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
+draft); penalties and ``min_tokens`` bans are rebuilt per row from the history. Their drafts are verified exactly
 (``engine.drafted``); everybody else decodes normally beside them. A draft never holds an image sentinel
 id (proposals copied from a prompt's image block end before it): image blocks come only from prompts.
 """
@@ -44,12 +49,16 @@ class DraftPolicy:
     max_rows: int
     vocab_size: int  # ids from here on are image sentinels (DS4V): never drafted, a draft ends before one
     share: float = 0.5  # of the step's calibrated spare rows
+    source: str = "ngram"  # "ngram": prompt lookup here; "model": the checkpoint drafter's blocks (engine side)
+    confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
-    def plan(self, decoders: Sequence[Request], limits: SchedulerLimits) -> dict[str, tuple[int, ...]]:
+    def plan(self, decoders: Sequence[Request], limits: SchedulerLimits,
+             costs: Sequence[float] | None = None) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
-        requests whose acceptance rate pays for their rows (``worth``)."""
+        requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
+        observed costs, ``step_costs.StepCosts``; the calibrated forward's by default)."""
         budget = int(limits.prefill_tokens(len(decoders)) * self.share)
-        floor = worth(len(decoders), limits.step_costs)
+        floor = worth(len(decoders), limits.step_costs if costs is None else costs)
         out: dict[str, tuple[int, ...]] = {}
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
@@ -62,12 +71,23 @@ class DraftPolicy:
             n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
                 continue
-            draft = propose(self._history(req), n, self.min_n, self.max_n, self.window)
+            draft = self._proposal(req, n) if self.source == "model" else \
+                propose(self._history(req), n, self.min_n, self.max_n, self.window)
             draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
         return out
+
+    def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
+        """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the
+        request moved on since: a preemption, a failed step), cut where the drafter's own survival
+        estimate falls below ``confidence`` (DeepSpec's truncation, ``ds4-speculative.md`` §5.3)."""
+        if req.proposal_at != req.computed:
+            return ()
+        sure = next((i for i, s in enumerate(req.proposal_survival) if s < self.confidence),
+                    len(req.proposal_survival) if req.proposal_survival else len(req.proposal))
+        return req.proposal[:min(n, sure)]
 
     def _history(self, req: Request) -> list[int]:
         """The last ``window`` tokens of prompt + output (what ``propose`` searches), without copying the

@@ -1,0 +1,225 @@
+"""A checkpoint drafter (DSpark, MTP) driven by the engine's steps (speculative decoding, issue 28).
+
+Per step, after sampling (``ds4-speculative.md`` §4):
+
+1. **commit**: every sequence of the forward hands the drafter the captured hidden rows (``capture.py``)
+   of the positions it *committed*: a prompt chunk all its rows, a decoder its token and the accepted
+   part of its draft, never a rejected row (§4 step 6: a rejected tail would make the next draft read a
+   false candidate as context). A drafter state is a function of committed positions only, so nothing
+   is ever rolled back.
+2. **propose**: every sequence that got a token drafts its next block from it (the anchor), for the
+   step after. The block waits here (``pending``) beside the distributions ``q`` it was drawn from; the
+   scheduler sees only the tokens (``SampledToken.proposal``) and decides how many to verify; the
+   executor then takes the verified prefix with its ``q`` (``take``), so a draft is verified against
+   the distribution it was really drawn from, never a point mass.
+
+How a sampled draft is accepted (``acceptance``; greedy requests draft the argmax and accept it while
+it is the target's argmax, in both):
+
+* ``"coupled"`` (the default): the draft token for output index ``k`` races over the drafter's ``q``
+  with the very exponential noise plain decoding draws index ``k`` with (``sampling._race``, seeded by
+  (request seed, ``k``)), and is accepted while it equals the target's own draw there. Each token really
+  is a draw from ``q``; the committed token at every index is plain decoding's draw, so the sampled stream
+  is plain decoding's, token for token, whatever was drafted, whatever the batch, after any undo; the
+  drafts only decide how many of those tokens one step commits. It accepts ``P(race_q = race_p)``, a
+  little below rejection sampling's ``1 - TV(p, q)``.
+* ``"rejection"``: Leviathan/Chen rejection sampling against ``q`` (``spec_verify.verify_rows``), drafts
+  drawn in the draft domain (``DRAFT_DOMAIN``): accepts ``1 - TV`` on average and is exact in
+  distribution, but which tokens a seeded request gets then depends on what was drafted.
+
+A slot's drafter state belongs to one request: a new request in the slot, or the same request starting
+over at position 0 (a recompute), gets a fresh state. After a prefix-cache hit a state lacks the rows
+below the hit; the drafter's ``ready`` says so and the request does not draft until its window is whole
+(counted in ``not_ready``, never a silently worse draft).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .capture import CapturePlan
+from .sampling import SamplerState, _race, token_seed
+from .spec_verify import DRAFT_DOMAIN, Draft, domain_seed, draft_probs, request_seed
+
+ACCEPTANCE = ("coupled", "rejection")
+# pick(logits [R, V] of block position i, i) -> (tokens [R], q [R, V]): how a drafter draws its tokens
+Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A drafter's blocks for ``R`` requests: ``tokens [R, B]``, ``q [R, B, V]`` (what each token was
+    drawn from) and ``survival [R, B]`` (the confidence product, 1 where the drafter has none)."""
+
+    tokens: torch.Tensor
+    q: torch.Tensor
+    survival: torch.Tensor
+
+
+class DraftModel(Protocol):
+    """What the engine asks of a checkpoint drafter (``engine/checkpoint_drafters.py`` adapts DSpark and
+    MTP to it)."""
+
+    plan: CapturePlan  # what it reads from the target's forward
+    block: int  # tokens one proposal holds
+
+    def new_state(self) -> Any: ...
+
+    def release(self, state: Any) -> None: ...
+
+    def commit(self, states: Sequence[Any], positions: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+               owners: torch.Tensor) -> None: ...
+
+    def ready(self, states: Sequence[Any], last: torch.Tensor) -> list[bool]: ...
+
+    def draft(self, states: Sequence[Any], anchors: torch.Tensor, anchor_positions: torch.Tensor,
+              pick: Pick) -> Block: ...
+
+
+@dataclass(frozen=True)
+class Fed:
+    """One sequence's rows in this step's forward: ``ids`` fed at ``start ..``, from row ``row`` of the
+    step's captures."""
+
+    request_id: str
+    slot: int
+    start: int
+    ids: tuple[int, ...]
+    row: int
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A sequence that got ``anchor`` this step, fed next at ``position``: it drafts its next block,
+    whose first token would be output index ``index``."""
+
+    request_id: str
+    slot: int
+    anchor: int
+    position: int
+    sampler: SamplerState
+    index: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    position: int  # the anchor's: the next decode row's position
+    tokens: tuple[int, ...]
+    q: torch.Tensor | None  # [B, V] under rejection sampling; coupled acceptance needs none
+    survival: tuple[float, ...]
+
+
+class ModelDrafts:
+    """The drafter's per-slot states and the blocks waiting to be verified."""
+
+    def __init__(self, model: DraftModel, acceptance: str = "coupled"):
+        if acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE}, not {acceptance!r}")
+        self.model = model
+        self.rejection = acceptance == "rejection"
+        self._states: dict[int, tuple[str, Any]] = {}
+        self.pending: dict[int, Proposal] = {}
+        self.not_ready = 0  # proposals skipped: the drafter's window was not whole (after a prefix hit)
+
+    @property
+    def plan(self) -> CapturePlan:
+        return self.model.plan
+
+    def _state(self, request_id: str, slot: int, start: int) -> Any:
+        held = self._states.get(slot)
+        if held is None or held[0] != request_id or start == 0:
+            if held is not None:
+                self.model.release(held[1])
+            held = (request_id, self.model.new_state())
+            self._states[slot] = held
+            self.pending.pop(slot, None)
+        return held[1]
+
+    def commit(self, fed: Sequence[Fed], captured: torch.Tensor, kept: Mapping[int, int]) -> None:
+        """``kept[slot]``: how many of its leading rows a sequence committed (a prompt chunk: all of
+        them, missing from ``kept``; a decoder: 1 + accepted; 0: none, e.g. its sampling failed)."""
+        positions: list[int] = []
+        tokens: list[int] = []
+        owners: list[int] = []
+        rows: list[int] = []
+        states: list[Any] = []
+        for f in fed:
+            n = kept.get(f.slot, len(f.ids))
+            if n <= 0:
+                continue
+            owners += [len(states)] * n
+            states.append(self._state(f.request_id, f.slot, f.start))
+            positions += range(f.start, f.start + n)
+            tokens += f.ids[:n]
+            rows += range(f.row, f.row + n)
+        if not states:
+            return
+        dev = captured.device
+        self.model.commit(states, torch.tensor(positions, device=dev), torch.tensor(tokens, device=dev),
+                          captured.index_select(0, torch.tensor(rows, device=dev)), torch.tensor(owners, device=dev))
+
+    def propose(self, asks: Sequence[Ask]) -> dict[int, Proposal]:
+        """Draft the next block of every ready ``ask``; kept in ``pending`` and returned by slot."""
+        asks = [a for a in asks if a.slot in self._states and self._states[a.slot][0] == a.request_id]
+        if not asks:
+            return {}
+        states = [self._states[a.slot][1] for a in asks]
+        ok = self.model.ready(states, torch.tensor([a.position - 1 for a in asks]))
+        self.not_ready += ok.count(False)
+        asks = [a for a, good in zip(asks, ok) if good]
+        if not asks:
+            return {}
+        block = self.model.draft([self._states[a.slot][1] for a in asks], torch.tensor([a.anchor for a in asks]),
+                                 torch.tensor([a.position for a in asks]), self._pick(asks))
+        tokens, survival = block.tokens.tolist(), block.survival.tolist()
+        out = {}
+        for i, a in enumerate(asks):
+            out[a.slot] = Proposal(a.position, tuple(tokens[i]), block.q[i] if self.rejection else None,
+                                   tuple(survival[i]))
+        self.pending.update(out)
+        return out
+
+    def take(self, slot: int, position: int, draft: tuple[int, ...]) -> Draft:
+        """The verified prefix ``draft`` of the block pending for ``slot`` at ``position``, with its ``q``.
+        Anything else is a scheduler bug (a draft whose ``q`` is unknown cannot be verified exactly)."""
+        p = self.pending.pop(slot, None)
+        if p is None or p.position != position or tuple(p.tokens[:len(draft)]) != tuple(draft):
+            raise ValueError(f"slot {slot}: draft {draft} at position {position} is not the prefix of the block "
+                             f"proposed there ({None if p is None else (p.position, p.tokens)})")
+        return Draft(tuple(draft), p.q[:len(draft)])
+
+    def drop(self, slot: int) -> None:
+        held = self._states.pop(slot, None)
+        if held is not None:
+            self.model.release(held[1])
+        self.pending.pop(slot, None)
+
+
+    def _pick(self, asks: Sequence[Ask]) -> Pick:
+        """How the block's tokens are drawn (see the module docstring): ``q`` is the request's
+        temperature / top-k / top-p / min-p over the drafter's logits (one-hot at the argmax when
+        greedy); a sampled row races over ``q`` with the noise of its output index, plain decoding's
+        (coupled) or the draft domain's (rejection)."""
+        params = [a.sampler.params for a in asks]
+        sampled = [r for r, p in enumerate(params) if not p.greedy]
+        seeds = {r: request_seed(asks[r].sampler) for r in sampled}
+
+        def pick(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            q = draft_probs(logits.float(), params)
+            tokens = torch.argmax(q, dim=-1)
+            gen = torch.Generator(device=q.device)  # plain decoding's generator lives on the logits' device
+            for r in sampled:
+                index = asks[r].index + i
+                gen.manual_seed(domain_seed(seeds[r], index, DRAFT_DOMAIN) if self.rejection
+                                else token_seed(seeds[r], index))
+                tokens[r] = _race(q[r], gen)
+            return tokens, q
+
+        return pick

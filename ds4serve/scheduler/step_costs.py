@@ -1,0 +1,98 @@
+"""What a decode step really costs, learnt from the steps themselves (speculative decoding's cost rule).
+
+The start-up calibration (``runtime/calibrate.py``) times the forward alone: ``a + b n + c P``. A step
+also plans, samples every row in Python, verifies drafts and folds the results back, and on a small
+model those per-row costs are most of it (the bundled model: a plain step of 16 decoders took 2.2 ms
+where the forward's fit said 0.97 ms, and a draft row cost several prefill rows). A cost rule fed the
+forward's figures keeps drafting where it no longer pays. So the scheduler times each decode-only step
+from planning to the end of ``apply`` and this model fits ``seconds = a + b n + c D`` (``n`` decoders,
+``D`` draft rows) over the last ``WINDOW`` such steps, by weighted least squares. The calibrated costs
+enter as pseudo-steps (``PRIOR_WEIGHT`` each at the corners of the range seen), so a fit over steps
+that all look alike stays near the prior instead of swinging. Steps with prompt work are left out: their
+rows would be charged to the decoders.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+WINDOW = 256  # decode-only steps the fit remembers
+REFIT_EVERY = 16  # steps between fits (a fit is a 3x3 solve: cheap, but not free every step)
+PRIOR_WEIGHT = 4.0  # each corner pseudo-step of the calibrated costs counts as this many observed steps
+
+
+def _moments(n: float, d: float, t: float, w: float) -> tuple[float, ...]:
+    """One step's share of the normal equations: the 6 distinct entries of ``w x x^T`` and the 3 of
+    ``w x t``, for ``x = (1, n, d)``."""
+    return (w, w * n, w * d, w * n * n, w * n * d, w * d * d, w * t, w * n * t, w * d * t)
+
+
+class StepCosts:
+    """The ``(a, b, c)`` that ``drafting.worth`` reads: fitted from observed steps once there are
+    ``REFIT_EVERY`` of them, the calibrated prior until then. The normal equations' sums are kept as the
+    window slides (a step in, the oldest out), so observing and fitting are a few dozen flops."""
+
+    def __init__(self, prior: Sequence[float] = ()):
+        self.prior = tuple(prior)
+        self._steps: deque[tuple[int, int, float]] = deque()
+        self._sums = [0.0] * 9
+        self._since_fit = 0
+        self._fitted: tuple[float, ...] = self.prior
+
+    def observe(self, decoders: int, draft_rows: int, seconds: float) -> None:
+        """One decode-only step: ``decoders`` rows of their own, ``draft_rows`` more, ``seconds`` from
+        planning to the end of applying it."""
+        if decoders <= 0 or not seconds > 0 or seconds == float("inf"):
+            return
+        self._steps.append((decoders, draft_rows, seconds))
+        self._add(_moments(decoders, draft_rows, seconds, 1.0), 1)
+        if len(self._steps) > WINDOW:
+            self._add(_moments(*self._steps.popleft(), 1.0), -1)
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            self._fitted = self.fit()
+
+    def _add(self, moments: tuple[float, ...], sign: int) -> None:
+        for i, m in enumerate(moments):
+            self._sums[i] += sign * m
+
+    def costs(self) -> tuple[float, ...]:
+        return self._fitted
+
+    def fit(self) -> tuple[float, ...]:
+        """Weighted least squares of ``seconds`` on ``(1, n, D)`` over the remembered steps and the prior's
+        corner pseudo-steps; each cost clamped at 0 (a negative one is noise). Without a prior, the
+        steps alone, once both ``n`` and ``D`` have varied (else the system has no unique answer)."""
+        sums = list(self._sums)
+        if len(self.prior) == 3:
+            a, b, c = self.prior
+            top_n = max(max((n for n, _, _ in self._steps), default=1), 2)
+            top_d = max((d for _, d, _ in self._steps), default=1) or 1
+            for n in (1, top_n):
+                for d in (0, top_d):
+                    for i, m in enumerate(_moments(n, d, a + b * n + c * d, PRIOR_WEIGHT)):
+                        sums[i] += m
+        elif len({n for n, _, _ in self._steps}) < 2 or len({d for _, d, _ in self._steps}) < 2:
+            return self.prior
+        s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
+        return tuple(max(0.0, v) for v in _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt]))
+
+
+def _det3(m: Sequence[Sequence[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float]:
+    """``m x = v`` for a symmetric positive 3x3 ``m`` by Cramer's rule (a library call costs more than
+    the arithmetic here); a singular system (steps that never varied) gives zeros, as no answer."""
+    det = _det3(m)
+    if abs(det) < 1e-300:
+        return 0.0, 0.0, 0.0
+    out = []
+    for col in range(3):
+        mc = [[v[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]
+        out.append(_det3(mc) / det)
+    return out[0], out[1], out[2]

@@ -1,0 +1,86 @@
+"""Captures for a model drafter (``engine/capture.py``): splitting the forward after the captured layers
+changes no bit of the target's results, the native and the torch forward alike, and each capture is the
+layer's output (checked against a forward stopped at that layer, on a twin engine that never split)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve.cache import SeqChunk
+from ds4serve.engine.capture import CapturePlan
+from ds4serve.llm import LLM
+
+
+def _twins(ckpt_factory, host: str):
+    _, path = ckpt_factory("B")
+    return tuple(LLM(path, max_seqs=2, host_kernels=host, warmup=False) for _ in range(2))
+
+
+def _steps(vocab: int) -> list[list[tuple[int, list[int]]]]:
+    """A prompt of 37 tokens in two chunks, then three decode rows with a 2-token draft: (start, ids)."""
+    prompt = [(5 + 11 * i) % (vocab - 3) + 2 for i in range(37)]
+    return [[(0, prompt[:20])], [(20, prompt[20:])], [(37, [4, 9, 3])], [(40, [7])]]
+
+
+def _run(llm: LLM, plan: CapturePlan | None, steps, stop: int | None = None):
+    """Each step's final streams (or, with ``stop``, the streams after layer ``stop - 1``) and its captures."""
+    cache, engine = llm.core.cache, llm.core.engine
+    engine.capture = plan
+    slot = cache.alloc_slot()
+    out = []
+    try:
+        for chunk in steps:
+            start, ids = chunk[0]
+            assert cache.reserve({slot: start + len(ids) + 1})
+            view = engine._view([SeqChunk(slot, start, ids, cache.block_table(slot))])
+            with torch.inference_mode():
+                if stop is not None:
+                    streams = engine._segment(view, None, None, 0, stop)
+                    out.append((streams, None))
+                else:
+                    into: dict[int, torch.Tensor] = {}
+                    streams = engine._forward(view, into if plan else None)
+                    out.append((streams, plan.rows(into) if plan else None))
+    finally:
+        engine.capture = None
+        cache.drop(slot)
+    return out
+
+
+@pytest.mark.parametrize("host", ["on", "off"])
+def test_a_split_forward_is_the_forward_and_captures_layer_outputs(ckpt_factory, host):
+    plain, split = _twins(ckpt_factory, host)
+    L = plain.core.cfg.num_layers
+    hc, d = plain.core.cfg.hc_mult, plain.core.cfg.hidden_size
+    steps = _steps(plain.core.cfg.vocab_size)
+    dspark = CapturePlan(tuple(range(L)), mean_hc=True)  # every layer: a split after each
+    want = _run(plain, None, steps)
+    got = _run(split, dspark, steps)
+    for (w, _), (g, cap) in zip(want, got):
+        assert torch.equal(w, g)  # the target's streams: not a bit changed by splitting
+        assert cap.shape == (g.shape[0], dspark.width(hc, d))
+        assert torch.equal(cap[:, -d:], g.mean(dim=1))  # the last layer's capture: the output, averaged
+    for layer in range(L - 1):  # each earlier capture is that layer's output (a fresh twin run to it)
+        fresh, _ = _twins(ckpt_factory, host)
+        upto = _run(fresh, None, steps, stop=layer + 1)
+        for (streams, _), (_, cap) in zip(upto, got):
+            assert torch.equal(cap[:, layer * d:(layer + 1) * d], streams.mean(dim=1)), f"layer {layer}"
+
+
+def test_mtp_captures_keep_every_copy_of_the_last_layer(ckpt_factory):
+    plain, split = _twins(ckpt_factory, "on")
+    L = plain.core.cfg.num_layers
+    mtp = CapturePlan((L - 1,), mean_hc=False)
+    steps = _steps(plain.core.cfg.vocab_size)
+    for (w, _), (g, cap) in zip(_run(plain, None, steps), _run(split, mtp, steps)):
+        assert torch.equal(w, g) and torch.equal(cap, g.reshape(g.shape[0], -1))
+
+
+def test_plans_refuse_unordered_layers_and_report_missing_captures():
+    with pytest.raises(ValueError, match="ascending"):
+        CapturePlan((3, 1), mean_hc=True)
+    with pytest.raises(ValueError, match="ascending"):
+        CapturePlan((), mean_hc=True)
+    with pytest.raises(RuntimeError, match=r"layer\(s\) \[2\]"):
+        CapturePlan((1, 2), mean_hc=True).rows({1: torch.zeros(2, 4)})

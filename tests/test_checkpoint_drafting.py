@@ -1,0 +1,125 @@
+"""The checkpoint drafters in the engine (issue 28): a random DS4 checkpoint with a random DSpark drafter,
+and one with a random MTP block, decode greedily exactly as without drafts, one stream and many, the
+drafter really drafting (its blocks verified every step) and its states fed only committed rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from ds4serve.config import ConfigError
+from ds4serve.llm import LLM
+
+from dspark_checkpoint import build_trunk, drafter_tensors, dspark_config, write_checkpoint
+from mtp_checkpoint import write_mtp_checkpoint
+
+
+@pytest.fixture(scope="module")
+def dspark_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark")
+    trunk = build_trunk(root)
+    config = dspark_config()
+    return write_checkpoint(root / "ckpt", trunk, drafter_tensors(config).stored, config)
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return write_mtp_checkpoint(build_trunk(root), root / "ckpt")
+
+
+def _prompts(vocab: int, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        phrase = [(7 * i + 13 * j) % (vocab - 10) + 3 for j in range(6 + i % 5)]
+        out.append((phrase * 4)[: 9 + 3 * i])
+    return out
+
+
+def _compare(path, spec: dict, streams: int, host: str = "on") -> dict:
+    plain = LLM(path, max_seqs=streams, host_kernels=host, warmup=False)
+    drafted = LLM(path, max_seqs=streams, host_kernels=host, warmup=False, speculative=json.dumps(spec))
+    prompts = _prompts(plain.core.cfg.vocab_size, streams)
+    want = plain.generate(prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = drafted.generate(prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert got == want
+    assert drafted.core.leaks() == ""
+    return dict(drafted.core.stats.speculation)
+
+
+@pytest.mark.parametrize("streams", [1, 6])
+def test_dspark_drafts_leave_greedy_output_unchanged(dspark_ckpt, streams):
+    figures = _compare(dspark_ckpt, {"method": "dspark", "num_speculative_tokens": 5}, streams)
+    assert figures.get("drafted_tokens", 0) > 0, figures
+
+
+@pytest.mark.parametrize("streams", [1, 6])
+def test_mtp_drafts_leave_greedy_output_unchanged(mtp_ckpt, streams):
+    figures = _compare(mtp_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, streams)
+    assert figures.get("drafted_tokens", 0) > 0, figures
+
+
+def test_torch_forward_drafts_too(dspark_ckpt):
+    figures = _compare(dspark_ckpt, {"method": "dspark"}, 3, host="off")
+    assert figures.get("drafted_tokens", 0) > 0, figures
+
+
+def test_auto_runs_what_the_checkpoint_ships(dspark_ckpt, mtp_ckpt, caplog):
+    caplog.set_level(logging.INFO, logger="ds4serve")
+    for path, kind in ((dspark_ckpt, "dspark"), (mtp_ckpt, "mtp")):
+        llm = LLM(path, max_seqs=1, warmup=False, speculative="auto")
+        assert llm.core.engine.drafts is not None
+        assert f"ships a {kind} drafter" in caplog.text
+
+
+def test_a_method_the_checkpoint_lacks_stops_start_up(dspark_ckpt, mtp_ckpt):
+    with pytest.raises(ConfigError, match="no MTP block|serial MTP|mtp"):
+        LLM(dspark_ckpt, max_seqs=1, warmup=False, speculative=json.dumps({"method": "mtp"}))
+    with pytest.raises(ConfigError, match="DSpark"):
+        LLM(mtp_ckpt, max_seqs=1, warmup=False, speculative=json.dumps({"method": "dspark"}))
+
+
+def test_the_confidence_threshold_cuts_blocks(dspark_ckpt):
+    """A block is cut where the drafter's survival estimate falls below the threshold: near 1 nothing
+    of a random drafter's block is verified, and the output is unchanged."""
+    figures = _compare(dspark_ckpt, {"method": "dspark", "confidence_threshold": 0.999}, 2)
+    assert figures.get("drafted_tokens", 0) == 0, figures
+
+
+def test_a_proposal_is_cut_by_survival_and_used_only_at_its_row():
+    from ds4serve.engine.sampling import SamplingParams
+    from ds4serve.scheduler.drafting import DraftPolicy
+    from ds4serve.scheduler.request import Request
+    from ds4serve.scheduler.spec import RequestSpec
+
+    policy = DraftPolicy(k=5, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=100, source="model", confidence=0.5)
+    req = Request("r", RequestSpec(prompt_ids=(1, 2, 3), params=SamplingParams(max_tokens=20, temperature=0.0)))
+    req.computed = 3
+    req.proposal, req.proposal_at, req.proposal_survival = (7, 8, 9, 10), 3, (0.9, 0.7, 0.4, 0.3)
+    assert policy._proposal(req, 5) == (7, 8)
+    assert policy._proposal(req, 1) == (7,)
+    req.computed = 4  # the request moved on: the block was drafted for another row
+    assert policy._proposal(req, 5) == ()
+
+
+@pytest.mark.parametrize("acceptance", ["coupled", "rejection"])
+def test_seeded_sampling_with_model_drafts(dspark_ckpt, acceptance):
+    """Coupled acceptance: each draft races with plain decoding's own noise for its output index, so a
+    seeded request's sampled stream *is* plain decoding's, whatever was drafted and whatever the batch.
+    Rejection sampling is exact in distribution only (its stream depends on the drafts): it runs, and
+    decodes the same number of tokens."""
+    streams = 4
+    plain = LLM(dspark_ckpt, max_seqs=streams, warmup=False)
+    drafted = LLM(dspark_ckpt, max_seqs=streams, warmup=False,
+                  speculative=json.dumps({"method": "dspark", "acceptance": acceptance}))
+    prompts = _prompts(plain.core.cfg.vocab_size, streams)
+    kw = dict(max_tokens=20, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    want = plain.generate(prompts, **kw)
+    got = drafted.generate(prompts, **kw)
+    assert drafted.core.stats.speculation.get("drafted_tokens", 0) > 0
+    if acceptance == "coupled":
+        assert got == want
+    else:
+        assert [len(g) for g in got] == [len(w) for w in want]

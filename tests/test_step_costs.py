@@ -1,0 +1,91 @@
+"""The online fit of a decode step's cost (``scheduler/step_costs.py``) that speculative decoding's cost
+rule reads: it recovers the costs the steps really have, leans on the calibrated prior while the steps
+say little, and turns drafting off where the observed draft rows cost more than they yield."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds4serve.engine.sampling import SamplingParams
+from ds4serve.scheduler.admission import SchedulerLimits
+from ds4serve.scheduler.drafting import DraftPolicy, worth
+from ds4serve.scheduler.request import Request
+from ds4serve.scheduler.spec import RequestSpec
+from ds4serve.scheduler.step_costs import REFIT_EVERY, WINDOW, StepCosts
+
+costs_ = st.tuples(st.floats(1e-5, 1e-2), st.floats(1e-6, 1e-3), st.floats(1e-6, 1e-3))
+
+
+@given(costs_, st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_the_fit_recovers_noiseless_costs(true, seed):
+    rnd = random.Random(seed)
+    model = StepCosts()  # no prior: the steps alone
+    a, b, c = true
+    for _ in range(WINDOW):
+        n, d = rnd.randint(1, 32), rnd.randint(0, 40)
+        model.observe(n, d, a + b * n + c * d)
+    assert model.costs() == pytest.approx(true, rel=1e-6, abs=1e-12)
+
+
+def test_the_prior_holds_until_the_steps_vary():
+    prior = (3e-4, 4e-5, 2e-5)
+    model = StepCosts(prior)
+    for _ in range(REFIT_EVERY - 1):
+        model.observe(4, 8, 1.0)  # absurdly slow, but not yet a fit
+    assert model.costs() == prior
+    alone = StepCosts()
+    for _ in range(2 * REFIT_EVERY):
+        alone.observe(4, 8, 1e-3)  # one shape only: the system has no unique answer, nothing is fitted
+    assert alone.costs() == ()
+
+
+def test_observed_costs_outweigh_a_wrong_prior():
+    """Calibration timed the forward alone (cheap draft rows); the whole step says a draft row costs 100 us."""
+    model = StepCosts((2.9e-4, 4.3e-5, 2.4e-5))
+    true = (4.5e-4, 1.1e-4, 1.0e-4)
+    rnd = random.Random(0)
+    for _ in range(WINDOW):
+        n, d = rnd.randint(1, 16), rnd.randint(0, 30)
+        model.observe(n, d, true[0] + true[1] * n + true[2] * d)
+    a, b, c = model.costs()
+    assert c == pytest.approx(true[2], rel=0.1) and b == pytest.approx(true[1], rel=0.1)
+
+
+def test_a_negative_fit_is_clamped_and_bad_observations_ignored():
+    model = StepCosts()
+    for i in range(REFIT_EVERY * 2):
+        n, d = 1 + i % 4, i % 3
+        model.observe(n, d, 1e-3 - 1e-5 * d)  # draft rows "save" time: noise, clamped to 0
+        model.observe(0, 3, 5.0)  # no decoders: not a decode step
+        model.observe(2, 1, float("nan"))
+    a, b, c = model.costs()
+    assert c == 0.0 and a == pytest.approx(1e-3) and b == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_learnt_costs_turn_drafting_off_at_width_and_keep_it_on_alone():
+    """The rule of ``worth`` over the learnt costs: an acceptance rate of 0.5 pays for one stream and
+    not for 16 when a draft row costs 100 us beside a 2.2 ms step (the bundled model's figures)."""
+    learnt = (4.5e-4, 1.1e-4, 1.0e-4)
+    assert worth(1, learnt) < 0.5 < worth(16, learnt)
+    calibrated = (2.9e-4, 4.3e-5, 2.4e-5)  # the forward alone: draft rows look cheap
+    policy = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
+    limits = SchedulerLimits(num_layers=2, max_model_len=512, step_tokens=256, max_prefill_tokens=64,
+                             min_prefill_tokens=16, prefill_mode="chunk", max_queue=8, step_costs=calibrated)
+    assert policy.plan(_decoders(16, 0.5), limits)  # the calibrated forward's figures: drafts
+    assert policy.plan(_decoders(16, 0.5), limits, learnt) == {}  # the step's real costs: none
+    assert policy.plan(_decoders(1, 0.5), limits, learnt) == {"r0": (1, 2)}  # alone it still pays
+
+
+def _decoders(n: int, rate: float) -> list[Request]:
+    out = []
+    for i in range(n):
+        r = Request(f"r{i}", RequestSpec(prompt_ids=(1, 2, 3, 1, 2, 3, 1, 2), params=SamplingParams(max_tokens=50, temperature=0.0)))
+        r.output_ids.append(3)
+        r.draft_rate = rate
+        out.append(r)
+    return out
