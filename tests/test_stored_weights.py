@@ -70,6 +70,49 @@ def test_fp8_products_equal_the_fp32_kernels_over_dequantised_weights(n, k, bloc
         assert torch.equal(_run(lib, x[-1:], stored, n)[0], got[-1]), m  # a row alone = the row in a batch
 
 
+def _ue8m0_weight(n: int, k: int, block: int, seed: int):
+    """Power-of-two block scales, as DS4 stores them (the kernels fold these into the activations), with
+    subnormal codes and zeros of both signs in the first row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    nb0, nb1 = -(-n // block), -(-k // block)
+    pad = torch.zeros(nb0 * block, nb1 * block)
+    pad[:n, :k] = w
+    s = torch.exp2(torch.ceil(torch.log2(pad.view(nb0, block, nb1, block).abs().amax(dim=(1, 3)) / 448.0)))
+    full = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    codes = (w / full).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes[:, :8] = torch.tensor([0, 0x80, 1, 0x81, 7, 0x87, 8, 0x88], dtype=torch.uint8)
+    return codes, s, codes.view(torch.float8_e4m3fn).float() * full
+
+
+@pytest.mark.parametrize("n,k,block", [(256, 512, 128), (2048, 256, 128), (160, 96, 32)])
+def test_fp8_products_with_power_of_two_scales_equal_the_fp32_kernels(n, k, block):
+    """UE8M0 scales take the fold (the scale moves to the activations, no multiply per weight) where every
+    product stays exact, and the multiply where an activation times a scale would leave the normal floats
+    (1e30, 1e-30) or is not finite: the same bits as the fp32 kernels either way, for 1-2 rows (f8_rows),
+    3-8 (f8_many), past 8 (groups of 8) and past 16 (decoded blocks), alone or in a batch."""
+    lib = _lib()
+    codes, s, dense = _ue8m0_weight(n, k, block, seed=n + k)
+    kn_codes, muls, dense_kn = codes.t().contiguous(), s.contiguous(), dense.t().contiguous()
+    stored = host_decode._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
+                                 muls.shape[0])
+    fp32 = host_decode._Weight(dense_kn.data_ptr(), n, 1)
+    g = torch.Generator().manual_seed(k)
+    for scale in (1.0, 1e30, 1e-30, float("inf")):
+        for m in (1, 2, 3, 8, 9, 16, 17):
+            x = torch.randn(m, k, generator=g) * scale
+            x[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])  # zeros of both signs, subnormal activations
+            got = _run(lib, x, stored, n)
+            ref = _run(lib, x, fp32, n)
+            if scale == float("inf"):  # inf x 0 codes: NaN in both, at the same outputs
+                assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num()), m
+                continue
+            assert torch.equal(got, ref), (scale, m)
+            assert torch.equal(_run(lib, x[-1:], stored, n)[0], got[-1]), (scale, m)
+            if scale == 1.0:
+                assert (got - x @ dense.t()).abs().max() < 1e-3
+
+
 @pytest.mark.parametrize("n,k", [(96, 200), (130, 64)])
 def test_bf16_products_equal_the_fp32_kernels_over_widened_weights(n, k):
     lib = _lib()

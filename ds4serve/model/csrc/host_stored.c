@@ -9,20 +9,26 @@
    a stored weight has the same bits as the same kernel over the dequantised one (tests pin this).
 
    FP8 projections are stored [K, N] (transposed once at load, host_decode.py), like the fp32 [K, N]
-   weights, and add in the same order: up to 16 rows stream the weight rows (as kn_rows does, in passes
-   of up to 8 rows, each weight decoded once a pass), more rows decode a [KN_KBLOCK, KN_NV VW] block into a
-   thread's panel and run the fp32 register tiles over it (kn_tile); every path continues one fused
-   multiply-add chain per output in k order from zero, so the path taken never changes a bit. The bf16 LM
-   head stays [N, K] as loaded (1 GB at DS4's 129,280 x 4096; only the rows that need logits run it) and
-   adds like nk_tile: lanes along k, then the lane sum, then the scalar tail.
+   weights, and add in the same order: every path continues one multiply-add chain per output in k order
+   from zero, so the path taken never changes a bit (a zero activation's sign cannot reach a sum that
+   starts at +0, so broadcasts skip vsplat's 0 + a). Up to 16 rows stream the weight rows in panels of
+   outputs, in groups of up to 8 rows: one or two rows take eight weight rows a pass (f8_rows, several
+   output vectors interleaved for the sums' latency), 3-8 rows sixteen, with the accumulators of 8 x 2
+   vectors in registers (f8_many); both prefetch the next pass's rows, a line at a time (the rows of a
+   pass are `panel` bytes apart from the next row's, which the hardware prefetchers do not follow). More
+   rows decode a [KN_KBLOCK, KN_NV VW] block into a thread's panel and run the fp32 register tiles over
+   it (kn_tile). The bf16 LM head stays [N, K] as loaded (1 GB at DS4's 129,280 x 4096; only the rows
+   that need logits run it) and adds like nk_tile: lanes along k, then the lane sum, then the scalar tail.
 
    Decoding FP8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits): the code's low 7 bits
    shifted to the top of an fp32 exponent/mantissa field give the value times 2^-120 exactly (normal
    and subnormal codes alike; the fp32 is then normal for normal codes and subnormal for subnormal
    ones), the sign goes to bit 31, and one product by the block scale times 2^120 (a power of two, so
    exact) gives the value times its scale rounded once, as the dequantiser's `code.float() * scale`
-   rounds it once. Targets with F16C take a shorter route to the value times 2^-8 (fp8_vec). NaN codes (0x7f / 0xff) are refused at load.
-   bf16 widens exactly: its 16 bits become the top half of the fp32. */
+   rounds it once. Where the scales are powers of two (UE8M0, as DS4 stores them) and the activations
+   leave every product exact, the scale moves to the activations instead (f8_foldable): no multiply a
+   weight. NaN codes (0x7f / 0xff) are refused at load. bf16 widens exactly: its 16 bits become the top
+   half of the fp32. */
 #include "host.h"
 
 
@@ -56,35 +62,47 @@ static inline vu widen_u16(const uint8_t *p) {
 #endif
 }
 
-/* VW FP8 e4m3 codes -> their values times mul (the block's scale times FP8_BIAS). With F16C (AVX2 and
-   AVX-512 targets) a code becomes an fp16 with the same fields one exponent bit wider: the sign-extended
-   byte shifted left by 7 puts the exponent and mantissa in place, and clearing bit 14 (set by the sign
-   extension of a negative code) leaves the sign alone in bit 15; the fp16 is the code's value times 2^-8
-   exactly (normal and subnormal codes), and vcvtph2ps widens it exactly: 4 instructions a vector where
-   the integer route below takes 6. */
-#if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__))
-#define FP8_BIAS 0x1p8f
-static inline vf fp8_vec(const uint8_t *p, vf mul) {
+/* VW FP8 e4m3 codes -> their values times 2^-120, exactly (fp8_raw), or times mul, the block's scale
+   times 2^120 (fp8_vec). The sign-extended code shifted left by 20 puts the exponent and mantissa in
+   place in an fp32, and clearing bits 27-30 (set by the sign extension of a negative code) leaves the
+   sign alone in bit 31: three instructions a vector, the load widening. The F16C route (sign-extend to
+   16 bits, shift, mask, vcvtph2ps: the value times 2^-8) is one more, and was slower on Zen 5 both for
+   AVX-512 (24 vs 33 G weights/s, one row in L2) and AVX2 builds (15 vs 22). */
 #if defined(__AVX512F__)
-    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
-    return (vf)_mm512_cvtph_ps(h) * mul;
-#else
-    __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF));
-    return (vf)_mm256_cvtph_ps(h) * mul;
-#endif
+static inline vf fp8_raw(const uint8_t *p) {
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32((int)0x87F00000u)));
+}
+#elif defined(__AVX2__)
+static inline vf fp8_raw(const uint8_t *p) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return (vf)_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87F00000u)));
 }
 #else
-#define FP8_BIAS 0x1p120f
-static inline vf fp8_vec(const uint8_t *p, vf mul) {
+static inline vf fp8_raw(const uint8_t *p) {
     vu u = widen_u8(p);
     vu bits = ((u & 0x7Fu) << 20) | ((u & 0x80u) << 24);
     vf f;
     memcpy(&f, &bits, sizeof f);
-    return f * mul;
+    return f;
 }
 #endif
+#define FP8_BIAS 0x1p120f
+static inline vf fp8_vec(const uint8_t *p, vf mul) { return fp8_raw(p) * mul; }
+
+/* a broadcast without vsplat's 0 + a: the accumulators of the FP8 products start at +0 and a sum that is
+   zero is +0, so the sign of a zero activation never reaches a result (the bits equal vsplat's) */
+static inline vf f8_bcast(float a) {
+#if VW == 16
+    return (vf)_mm512_set1_ps(a);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(a);
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = a;
+    return v;
+#endif
+}
 
 /* VW bf16 values (2 bytes each) widened to fp32 */
 static inline vf bf16_vec(const uint8_t *p) {
@@ -103,7 +121,7 @@ static inline float bf16_one(const uint8_t *p) {
     return f;
 }
 
-/* ---- FP8 [K, N]: one to ROWS_MAX rows, the order of kn_rows ---------------------------------------- */
+/* ---- FP8 [K, N]: one or two rows, eight weight rows a pass (the order of kn_rows) ----------------- */
 
 /* the scales (times FP8_BIAS) of the nv vectors from column n0 in weight row k: muls[j] (two divisions a
    call, not two a vector: the block size is a multiple of VW, so a vector never straddles blocks) */
@@ -118,64 +136,129 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
     }
 }
 
-#ifndef F8_EIGHT
-#define F8_EIGHT 1  /* one or two rows take eight weight rows per pass over the outputs (half the output traffic) */
+#define F8_JU(MR) ((MR) == 1 ? 4 : 2)  /* output vectors f8_rows interleaves (the sums' latency) */
+#ifndef F8_PF
+#define F8_PF 1  /* prefetch the next pass's weight rows (0: leave it to the hardware, to compare) */
 #endif
-#ifndef F8_EIGHT_ROWS
-#define F8_EIGHT_ROWS 2  /* up to this many rows take eight weight rows a pass */
-#endif
-#define F8_ROWS_MAX 8  /* rows per pass of the streamed kernel: decoding, not the FMAs, bounds it */
-/* outputs per panel of the streamed kernel at one row (half at two, a quarter beyond): each weight row is
-   read in runs of `panel` bytes and the panel's outputs stay in L1/L2. FP8 codes in 1 KB runs (fp32's
-   1024-output panel) streamed at ~20 G weights/s, 8 KB runs at ~25 (one row of 4096 x 8192 on 2 threads;
-   8 rows ~13 either way) */
+#define F8_ROWS_MAX 8  /* rows a group of the streamed kernels */
+/* outputs per panel of the streamed kernels at one row (half at two, a quarter beyond): each weight row is
+   read in runs of `panel` bytes and the panel's outputs stay in L1/L2 */
 #ifndef F8_PANEL_MAX
 #define F8_PANEL_MAX 8192
 #endif
-#define F8_ROWS(MR)                                                                                      \
-    static void f8_rows_##MR(const float *x, int64_t ldx, int64_t K, const Weight *w, int64_t n0, float *y, \
-                             int64_t ldy, int64_t nv) {                                                 \
+/* May the panel's product fold its block scales into the activations? Then a weight is its code's value
+   times 2^-120 (fp8_raw, no multiply) and an activation is x times the block's scale times
+   2^120, and every product x * w has exactly the value of the dequantised path's product, so every
+   rounding (the fused multiply-add's, or the product's and the sum's) is the same: that needs each scale
+   to be a power of two (UE8M0: DS4's checkpoints) that is exact against every code (the value of a code times
+   the scale is then exact, as the dequantiser's is), and each x times each scale (times 2^120) to
+   stay a normal float (so exact): checked here over this panel's scales and the rows' activations (a
+   pass over K x rows inputs, against K x panel weights). Non-finite activations take the multiply. */
+static int f8_foldable(const Weight *w, int64_t n0, int64_t nv, const float *x, int64_t ldx, int64_t mr, int64_t K) {
+    double smin = INFINITY, smax = 0.0, xmin = INFINITY, xmax = 0.0;
+    if (K <= 0 || nv <= 0) return 0;
+    int64_t nb_last = (n0 + nv * VW - 1) / w->bn, kb_last = (K - 1) / w->bk;
+    for (int64_t nb = n0 / w->bn; nb <= nb_last; nb++)
+        for (int64_t kb = 0; kb <= kb_last; kb++) {
+            BOUND("FP8 scale block (outputs)", nb, w->scale_rows);
+            BOUND("FP8 scale block (inputs)", kb, w->sld);
+            float s = w->scales[nb * w->sld + kb];
+            uint32_t bits;
+            memcpy(&bits, &s, sizeof bits);
+            if ((bits & 0x807FFFFFu) || bits >> 23 == 0 || bits >> 23 == 255) return 0;  /* a positive normal power of two */
+            double sd = (double)s * FP8_BIAS;
+            smin = sd < smin ? sd : smin;
+            smax = sd > smax ? sd : smax;
+        }
+    for (int64_t i = 0; i < mr; i++)
+        for (int64_t k = 0; k < K; k++) {
+            double a = fabs((double)x[i * ldx + k]);
+            if (!(a <= 0x1.fffffep127)) return 0;  /* inf or NaN */
+            if (a != 0.0) {
+                xmin = a < xmin ? a : xmin;
+                xmax = a > xmax ? a : xmax;
+            }
+        }
+    /* the smallest code's value is 2^-9: times a scale it must not fall below 2^-149 (then it is exact) */
+    if (smin * 0x1p-9 / FP8_BIAS < 0x1p-149) return 0;
+    return xmax == 0.0 || (xmin * smin >= 0x1p-126 && xmax * smax < 0x1p127);
+}
+
+/* eight weight rows (from wk, row stride ld) into MR rows of outputs over nv vectors: every output's sum
+   continues in k order. fold: muls are the scales the activations take (f8_foldable said so). */
+#define F8_EIGHT_PASS(MR)                                                                                  \
+    static inline __attribute__((always_inline)) void f8_eight_##MR(const float *x, int64_t ldx, const uint8_t *wk,   \
+                                                                    int64_t ld, const float *muls, int fold,  \
+                                                                    const uint8_t *pf, float *y, int64_t ldy, \
+                                                                    int64_t nv) {                             \
+        for (int64_t j = 0, je; j < nv; j = je) {                                                         \
+            /* a run of vectors whose activations are the same: one block of scales, or all (no fold) */  \
+            float cur = fold ? muls[j] : 1.0f;                                                            \
+            for (je = j + 1; je < nv && (!fold || muls[je] == cur); je++) {}                              \
+            vf a[MR][8]; /* in registers: the stores to y cannot change them */                          \
+            for (int i = 0; i < MR; i++)                                                                  \
+                for (int q = 0; q < 8; q++) a[i][q] = f8_bcast(fold ? x[i * ldx + q] * cur : x[i * ldx + q]); \
+            for (; j + F8_JU(MR) <= je; j += F8_JU(MR)) { /* F8_JU chains interleaved: latency */               \
+                vf acc[MR][F8_JU(MR)], m[F8_JU(MR)];                                                              \
+                for (int u = 0; u < F8_JU(MR); u++) {                                                         \
+                    m[u] = f8_bcast(muls[j + u]);                                                         \
+                    for (int i = 0; i < MR; i++) acc[i][u] = vload(y + i * ldy + (j + u) * VW);           \
+                }                                                                                         \
+                if (pf && ((j * VW) & 63) == 0) /* the next pass's rows, a line at a time */            \
+                    for (int q = 0; q < 8; q++) __builtin_prefetch(pf + q * ld + j * VW, 0, 3);              \
+                for (int q = 0; q < 8; q++)                                                               \
+                    for (int u = 0; u < F8_JU(MR); u++) {                                                     \
+                        const uint8_t *p = wk + q * ld + (j + u) * VW;                                    \
+                        vf b = fold ? fp8_raw(p) : fp8_vec(p, m[u]);                                      \
+                        for (int i = 0; i < MR; i++) acc[i][u] = vfma(a[i][q], b, acc[i][u]);             \
+                    }                                                                                     \
+                for (int u = 0; u < F8_JU(MR); u++)                                                           \
+                    for (int i = 0; i < MR; i++) vstore(y + i * ldy + (j + u) * VW, acc[i][u]);           \
+            }                                                                                             \
+            for (; j < je; j++) {                                                                         \
+                const uint8_t *wj = wk + j * VW;                                                          \
+                vf b[8];                                                                                  \
+                if (fold) {                                                                               \
+                    for (int q = 0; q < 8; q++) b[q] = fp8_raw(wj + q * ld);                              \
+                } else {                                                                                  \
+                    vf m = f8_bcast(muls[j]);                                                             \
+                    for (int q = 0; q < 8; q++) b[q] = fp8_vec(wj + q * ld, m);                           \
+                }                                                                                         \
+                for (int i = 0; i < MR; i++) {                                                            \
+                    vf acc = vload(y + i * ldy + j * VW);                                                 \
+                    for (int q = 0; q < 8; q++) acc = vfma(a[i][q], b[q], acc);                           \
+                    vstore(y + i * ldy + j * VW, acc);                                                    \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+F8_EIGHT_PASS(1)
+F8_EIGHT_PASS(2)
+
+/* weight rows [k, K) into MR rows of outputs (continuing their sums): four rows a pass while they share
+   their scales, then one (blocks of inputs that are not a multiple of 8, and K's tail) */
+#define F8_TAIL(MR)                                                                                      \
+    static void f8_rows_tail_##MR(const float *x, int64_t ldx, int64_t k, int64_t K, const Weight *w, int64_t n0, \
+                                  float *y, int64_t ldy, int64_t nv) {                                   \
         float muls[F8_PANEL_MAX / VW];                                                                   \
-        int64_t kb_end = 0; /* the first weight row of the next block of scales */                      \
-        for (int i = 0; i < MR; i++)                                                                     \
-            for (int64_t j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, (vf){});                      \
-        int64_t k = 0;                                                                                   \
-        if (F8_EIGHT && MR <= F8_EIGHT_ROWS && w->bk % 8 == 0) /* eight weight rows a pass */          \
-            for (; k + 8 <= K; k += 8) {                                                                 \
-                if (k >= kb_end) {                                                                       \
-                    fp8_row_muls(w, k, n0, nv, muls);                                                    \
-                    kb_end = (k / w->bk + 1) * w->bk;                                                    \
-                }                                                                                        \
-                const uint8_t *wk = w->q + k * w->ld + n0;                                               \
-                for (int64_t j = 0; j < nv; j++) {                                                       \
-                    vf m = vsplat(muls[j]), b[8];                                                        \
-                    for (int q = 0; q < 8; q++) b[q] = fp8_vec(wk + q * w->ld + j * VW, m);              \
-                    for (int i = 0; i < MR; i++) {                                                       \
-                        vf acc = vload(y + i * ldy + j * VW);                                            \
-                        for (int q = 0; q < 8; q++) acc = vfma(vsplat(x[i * ldx + k + q]), b[q], acc);   \
-                        vstore(y + i * ldy + j * VW, acc);                                               \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
+        int64_t kb_end = k; /* the first weight row of the next block of scales */                      \
         for (; k + 4 <= K; k += 4) {                                                                     \
             if (k >= kb_end) { /* the block size is a multiple of 4: four rows share their scales */    \
                 fp8_row_muls(w, k, n0, nv, muls);                                                        \
                 kb_end = (k / w->bk + 1) * w->bk;                                                        \
             }                                                                                            \
             const uint8_t *w0 = w->q + k * w->ld + n0, *w1 = w0 + w->ld, *w2 = w1 + w->ld, *w3 = w2 + w->ld; \
-            vf a[MR][4];                                                                                 \
-            for (int i = 0; i < MR; i++)                                                                 \
-                for (int q = 0; q < 4; q++) a[i][q] = vsplat(x[i * ldx + k + q]);                       \
             for (int64_t j = 0; j < nv; j++) {                                                           \
-                vf m = vsplat(muls[j]);                                                                  \
+                vf m = f8_bcast(muls[j]);                                                                \
                 vf b0 = fp8_vec(w0 + j * VW, m), b1 = fp8_vec(w1 + j * VW, m), b2 = fp8_vec(w2 + j * VW, m), \
                    b3 = fp8_vec(w3 + j * VW, m);                                                         \
                 for (int i = 0; i < MR; i++) {                                                           \
+                    const float *xi = x + i * ldx + k;                                                   \
                     vf acc = vload(y + i * ldy + j * VW);                                                \
-                    acc = vfma(a[i][0], b0, acc);                                                        \
-                    acc = vfma(a[i][1], b1, acc);                                                        \
-                    acc = vfma(a[i][2], b2, acc);                                                        \
-                    acc = vfma(a[i][3], b3, acc);                                                        \
+                    acc = vfma(f8_bcast(xi[0]), b0, acc);                                                \
+                    acc = vfma(f8_bcast(xi[1]), b1, acc);                                                \
+                    acc = vfma(f8_bcast(xi[2]), b2, acc);                                                \
+                    acc = vfma(f8_bcast(xi[3]), b3, acc);                                                \
                     vstore(y + i * ldy + j * VW, acc);                                                   \
                 }                                                                                        \
             }                                                                                            \
@@ -184,21 +267,130 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
             fp8_row_muls(w, k, n0, nv, muls);                                                            \
             const uint8_t *wr = w->q + k * w->ld + n0;                                                   \
             for (int i = 0; i < MR; i++) {                                                               \
-                vf a = vsplat(x[i * ldx + k]);                                                           \
+                vf a = f8_bcast(x[i * ldx + k]);                                                           \
                 for (int64_t j = 0; j < nv; j++)                                                         \
                     vstore(y + i * ldy + j * VW,                                                         \
-                           vfma(a, fp8_vec(wr + j * VW, vsplat(muls[j])), vload(y + i * ldy + j * VW)));  \
+                           vfma(a, fp8_vec(wr + j * VW, f8_bcast(muls[j])), vload(y + i * ldy + j * VW)));  \
             }                                                                                            \
         }                                                                                                \
     }
+F8_TAIL(1)
+F8_TAIL(2)
+F8_TAIL(3)
+F8_TAIL(4)
+F8_TAIL(5)
+F8_TAIL(6)
+F8_TAIL(7)
+F8_TAIL(8)
+
+#define F8_ROWS(MR)                                                                                      \
+    static void f8_rows_##MR(const float *x, int64_t ldx, int64_t K, const Weight *w, int64_t n0, float *y, \
+                             int64_t ldy, int64_t nv) {                                                 \
+        float muls[F8_PANEL_MAX / VW];                                                                   \
+        int64_t kb_end = 0; /* the first weight row of the next block of scales */                      \
+        for (int i = 0; i < MR; i++)                                                                     \
+            for (int64_t j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, (vf){});                      \
+        int64_t k = 0;                                                                                   \
+        if (w->bk % 8 == 0) { /* eight weight rows a pass */                                           \
+            int fold = f8_foldable(w, n0, nv, x, ldx, MR, K);                                            \
+            for (; k + 8 <= K; k += 8) {                                                                 \
+                if (k >= kb_end) {                                                                       \
+                    fp8_row_muls(w, k, n0, nv, muls);                                                    \
+                    kb_end = (k / w->bk + 1) * w->bk;                                                    \
+                }                                                                                        \
+                const uint8_t *wk = w->q + k * w->ld + n0;                                               \
+                const uint8_t *pf = F8_PF && k + 16 <= K ? wk + 8 * w->ld : NULL;                         \
+                if (fold)                                                                                \
+                    f8_eight_##MR(x + k, ldx, wk, w->ld, muls, 1, pf, y, ldy, nv);                       \
+                else                                                                                     \
+                    f8_eight_##MR(x + k, ldx, wk, w->ld, muls, 0, pf, y, ldy, nv);                       \
+            }                                                                                            \
+        }                                                                                                \
+        if (k < K) f8_rows_tail_##MR(x, ldx, k, K, w, n0, y, ldy, nv);                                   \
+    }
 F8_ROWS(1)
 F8_ROWS(2)
-F8_ROWS(3)
-F8_ROWS(4)
-F8_ROWS(5)
-F8_ROWS(6)
-F8_ROWS(7)
-F8_ROWS(8)
+
+/* ---- FP8 [K, N]: 3 to 8 rows, sixteen weight rows a pass, the accumulators in registers ----------- */
+
+#define F8_MG 16  /* weight rows a pass of f8_many: the outputs are loaded and stored once per 16 */
+#if VW == 16
+#define F8_MNV 2  /* output vectors a step holds: 8 rows x 2 accumulators fit AVX-512's 32 registers */
+#else
+#define F8_MNV 1  /* and 8 x 1 AVX2's 16 */
+#endif
+
+/* MR rows x NV vectors of outputs from y over the F8_MG weight rows from p (row stride ld): each output's
+   sum continues in k order; fold: xs [MR, F8_MG] are the activations times the vectors' one scale */
+#define F8_MSTEP(MR, NV)                                                                                   \
+    static inline __attribute__((always_inline)) void f8_mstep_##MR##_##NV(                                 \
+        const float *xk, int64_t ldx, const float *xs, const uint8_t *p, int64_t ld, const float *muls,     \
+        int fold, float *y, int64_t ldy) {                                                                  \
+        vf acc[MR][NV], m[NV];                                                                              \
+        for (int u = 0; u < NV; u++) {                                                                      \
+            m[u] = f8_bcast(muls[u]);                                                                       \
+            for (int i = 0; i < MR; i++) acc[i][u] = vload(y + i * ldy + u * VW);                           \
+        }                                                                                                   \
+        for (int q = 0; q < F8_MG; q++) {                                                                   \
+            vf b[NV];                                                                                       \
+            for (int u = 0; u < NV; u++) b[u] = fold ? fp8_raw(p + q * ld + u * VW) : fp8_vec(p + q * ld + u * VW, m[u]); \
+            for (int i = 0; i < MR; i++) {                                                                  \
+                vf a = f8_bcast(fold ? xs[i * F8_MG + q] : xk[i * ldx + q]);                                \
+                for (int u = 0; u < NV; u++) acc[i][u] = vfma(a, b[u], acc[i][u]);                          \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int u = 0; u < NV; u++)                                                                        \
+            for (int i = 0; i < MR; i++) vstore(y + i * ldy + u * VW, acc[i][u]);                           \
+    }
+
+/* MR rows over a panel of nv vectors from column n0 (fewer rows: f8_rows): FMA-bound, so the multiply
+   of the decode is folded away where it may be (f8_foldable; it also skips the multiply's slow subnormal
+   inputs: vmulps on them cost this CPU ~2x at 8 rows) */
+#define F8_MANY(MR)                                                                                        \
+    F8_MSTEP(MR, F8_MNV)                                                                                    \
+    F8_MSTEP(MR, 1)                                                                                         \
+    static void f8_many_##MR(const float *x, int64_t ldx, int64_t K, const Weight *w, int64_t n0, float *y, \
+                             int64_t ldy, int64_t nv) {                                                     \
+        float muls[F8_PANEL_MAX / VW], xs[MR * F8_MG], cur;                                                 \
+        const int64_t ld = w->ld;                                                                           \
+        int64_t kb_end = 0, k = 0;                                                                          \
+        for (int i = 0; i < MR; i++)                                                                        \
+            for (int64_t j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, (vf){});                         \
+        int fold = w->bk % F8_MG == 0 && f8_foldable(w, n0, nv, x, ldx, MR, K);                            \
+        for (; w->bk % F8_MG == 0 && k + F8_MG <= K; k += F8_MG) {                                          \
+            if (k >= kb_end) {                                                                              \
+                fp8_row_muls(w, k, n0, nv, muls);                                                           \
+                kb_end = (k / w->bk + 1) * w->bk;                                                           \
+            }                                                                                               \
+            const uint8_t *wk = w->q + k * ld + n0;                                                         \
+            const uint8_t *pf = F8_PF && k + 2 * F8_MG <= K ? wk + F8_MG * ld : NULL;                      \
+            int64_t j = 0;                                                                                  \
+            cur = 0.0f;                                                                                     \
+            for (; j + F8_MNV <= nv; j += F8_MNV) {                                                         \
+                if (pf && ((j * VW) & 63) == 0) /* the next pass's rows, a line at a time */               \
+                    for (int q = 0; q < F8_MG; q++) __builtin_prefetch(pf + q * ld + j * VW, 0, 3);         \
+                int f = fold;                                                                               \
+                for (int u = 1; u < F8_MNV; u++) f &= muls[j + u] == muls[j];                               \
+                if (f && muls[j] != cur) { /* the activations times this scale (exact: f8_foldable) */     \
+                    cur = muls[j];                                                                          \
+                    for (int i = 0; i < MR; i++)                                                            \
+                        for (int q = 0; q < F8_MG; q++) xs[i * F8_MG + q] = x[i * ldx + k + q] * cur;       \
+                }                                                                                           \
+                if (f)                                                                                      \
+                    f8_mstep_##MR##_##F8_MNV(x + k, ldx, xs, wk + j * VW, ld, muls + j, 1, y + j * VW, ldy); \
+                else                                                                                        \
+                    f8_mstep_##MR##_##F8_MNV(x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
+            }                                                                                               \
+            for (; j < nv; j++) f8_mstep_##MR##_1(x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
+        }                                                                                                   \
+        if (k < K) f8_rows_tail_##MR(x, ldx, k, K, w, n0, y, ldy, nv);                                      \
+    }
+F8_MANY(3)
+F8_MANY(4)
+F8_MANY(5)
+F8_MANY(6)
+F8_MANY(7)
+F8_MANY(8)
 
 static void f8_row_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
@@ -212,12 +404,12 @@ static void f8_row_blocks(void *c, int64_t lo, int64_t hi) {
             switch (mr) {
                 case 1: f8_rows_1(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
                 case 2: f8_rows_2(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                case 3: f8_rows_3(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                case 4: f8_rows_4(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                case 5: f8_rows_5(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                case 6: f8_rows_6(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                case 7: f8_rows_7(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
-                default: f8_rows_8(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 3: f8_many_3(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 4: f8_many_4(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 5: f8_many_5(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 6: f8_many_6(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                case 7: f8_many_7(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
+                default: f8_many_8(x, j->ldx, j->K, &j->w, n0, ym, j->ldy, nv); break;
             }
         }
     }
