@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ds4serve.engine.sampling import SamplingParams
 from ds4serve.scheduler.admission import SchedulerLimits
-from ds4serve.scheduler.drafting import DraftPolicy, worth
+from ds4serve.scheduler.drafting import PROBE_EVERY, DraftPolicy, worth
 from ds4serve.scheduler.request import Request
 from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.scheduler.step_costs import REFIT_EVERY, WINDOW, StepCosts
@@ -89,3 +89,25 @@ def _decoders(n: int, rate: float) -> list[Request]:
         r.draft_rate = rate
         out.append(r)
     return out
+
+
+def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks():
+    """A checkpoint drafter's block costs its forward whether or not it is verified: with the bundled
+    model's figures (a 0.5 ms step, a 2.3 ms draft) no acceptance rate pays for one stream, so blocks
+    are drafted only when a probe is due; a cheap drafter keeps drafting."""
+    from ds4serve.scheduler.step_costs import StepCosts
+
+    costs = (4.5e-4, 1.1e-4, 1.0e-4)
+    policy = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source="model")
+    req = _decoders(1, 0.9)[0]
+    assert worth(1, costs, 2.3e-3 / 4) > 1 > 0.9 > worth(1, costs, 2e-5)
+    assert policy.wants_block(req, 1, costs, 2e-5, 512)
+    assert not policy.pays(req, 1, costs, 2.3e-3, 512)
+    due = [policy.wants_block(req, 1, costs, 2.3e-3, 512) for req.draft_skipped in range(2 * PROBE_EVERY)]
+    assert sum(due) == 2 and due[PROBE_EVERY - 1]  # only before a probe step
+    ngram = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
+    assert not ngram.wants_block(req, 1, costs, 0.0, 512)  # n-gram proposals cost no drafter forward
+    running = StepCosts(costs)
+    running.observe_blocks(2e-3, 4)
+    running.observe_blocks(4e-3, 4)
+    assert running.block_cost == pytest.approx(0.9 * 5e-4 + 0.1 * 1e-3)

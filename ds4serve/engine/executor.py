@@ -49,6 +49,7 @@ class _Owner:
     sampler: object
     draft: tuple[int, ...] = ()
     position: int = -1  # a decoder's: where its token is fed (a model draft is checked against it)
+    propose: bool = True  # a checkpoint drafter drafts its next block (``DecodeRow.propose``)
 
     @property
     def rows(self) -> int:
@@ -202,7 +203,7 @@ class Engine:
         for pass_id in plan.retired:
             self.cancel_pass(pass_id)
         try:
-            tokens, progress, prompt = self._execute(plan)
+            tokens, progress, prompt, (draft_s, proposals) = self._execute(plan)
         except Exception as exc:  # one bad step fails its requests, not the engine
             log.exception("step %d failed (%d decoders, %d pass slices)", plan.step_id, len(plan.decodes),
                           len(plan.passes))
@@ -211,7 +212,7 @@ class Engine:
             return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
                               error=f"{type(exc).__name__}: {exc}", elapsed_s=time.perf_counter() - t0)
         return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress, elapsed_s=time.perf_counter() - t0,
-                          prompt_logprobs=prompt)
+                          prompt_logprobs=prompt, draft_s=draft_s, proposals=proposals)
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, plan: StepPlan):
@@ -232,14 +233,16 @@ class Engine:
         if saved is not None:  # the rejected tail of every draft leaves no trace in the rings
             accepted = {t.slot: len(t.accepted) for t in tokens}
             saved.restore([accepted.get(s.slot, 0) for s in saved.spans])
+        drafting = (0.0, 0)
         if self.drafts is not None and self.sample:
-            tokens = self._draft_next(fed, plan.decodes, owners, tokens)
-        return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else ()
+            tokens, drafting = self._draft_next(fed, plan.decodes, owners, tokens)
+        return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else (), drafting
 
     def _draft_next(self, fed: "_Fed", decodes: tuple[DecodeRow, ...], owners: list[_Owner],
-                    tokens: list[SampledToken]) -> list[SampledToken]:
+                    tokens: list[SampledToken]) -> tuple[list[SampledToken], tuple[float, int]]:
         """The model drafter's turn (``model_drafts``): commit what this step committed, then draft the
-        next block of every sequence that got a token; each token carries its block's tokens."""
+        next block of every sequence that got a token and is to propose; each token carries its block's
+        tokens. Also returns the seconds the drafting took and how many blocks (the scheduler's cost)."""
         ok = {t.slot: t for t in tokens if t.status is RowStatus.OK}
         kept = {d.slot: 1 + len(ok[d.slot].accepted) if d.slot in ok else 0 for d in decodes}
         if fed.entries:
@@ -247,10 +250,12 @@ class Engine:
         position = {f.slot: f.start + kept.get(f.slot, len(f.ids)) for f in fed.entries}
         asks = [Ask(o.request_id, o.slot, ok[o.slot].token, position[o.slot], o.sampler,
                     len(o.sampler.output_ids) + 1 + len(ok[o.slot].accepted))  # its block's first output index
-                for o in owners if o.slot in ok and o.slot in position and draftable(o.sampler)]
+                for o in owners if o.propose and o.slot in ok and o.slot in position and draftable(o.sampler)]
+        t0 = time.perf_counter()
         proposals = self.drafts.propose(asks)
+        spent = time.perf_counter() - t0
         return [dataclasses.replace(t, proposal=proposals[t.slot].tokens, proposal_survival=proposals[t.slot].survival)
-                if t.slot in proposals else t for t in tokens]
+                if t.slot in proposals else t for t in tokens], (spent, len(asks))
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """The LM head the steps sample with: native where the host forward runs, else torch."""
@@ -267,7 +272,7 @@ class Engine:
         """Every decoder (with its draft) and every whole pass in one forward; returns the ring rows the
         drafts overwrite (``draft_rows``), saved before the forward, or None without drafts."""
         chunks = [SeqChunk(d.slot, d.position, (d.token, *d.draft), self.cache.block_table(d.slot)) for d in decodes]
-        want = [_Owner(d.request_id, d.slot, d.sampler, d.draft, d.position) for d in decodes]
+        want = [_Owner(d.request_id, d.slot, d.sampler, d.draft, d.position, d.propose) for d in decodes]
         for p in whole:
             for m in p.members:
                 chunks.append(self._member_chunk(m))

@@ -36,6 +36,9 @@ class DecodeRow:
     # speculative decoding: tokens a drafter proposes after ``token`` (fed at ``position + 1 ...``); the
     # engine verifies them in this step and reports the accepted prefix (``SampledToken.accepted``)
     draft: tuple[int, ...] = ()
+    # a checkpoint drafter drafts this sequence's next block after the step (the scheduler's call: a block
+    # costs a drafter forward whether or not it is verified)
+    propose: bool = True
 
     @property
     def rows(self) -> int:
@@ -168,6 +171,8 @@ class StepResult:
     error: str | None = None
     elapsed_s: float = 0.0
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per member that asked, when its pass completed
+    draft_s: float = 0.0  # of ``elapsed_s``: the checkpoint drafter drafting next blocks (``proposals`` of them)
+    proposals: int = 0
 
 
 def validate_plan(plan: StepPlan, num_layers: int) -> str:

@@ -53,18 +53,19 @@ class DraftPolicy:
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits,
-             costs: Sequence[float] | None = None) -> dict[str, tuple[int, ...]]:
+             costs: Sequence[float] | None = None, block_cost: float = 0.0) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
         requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
-        observed costs, ``step_costs.StepCosts``; the calibrated forward's by default)."""
+        observed costs, ``step_costs.StepCosts``; the calibrated forward's by default) and, for a
+        checkpoint drafter, for the ``block_cost`` seconds its block took to draft."""
         budget = int(limits.prefill_tokens(len(decoders)) * self.share)
-        floor = worth(len(decoders), limits.step_costs if costs is None else costs)
+        costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
-            probe = req.draft_rate <= floor  # its rate does not pay: one token every PROBE_EVERY steps
-            if probe:
+            probe = not self.pays(req, len(decoders), costs, block_cost, limits.max_model_len)
+            if probe:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
                 if req.draft_skipped % PROBE_EVERY:
                     continue
@@ -78,6 +79,19 @@ class DraftPolicy:
                 out[req.request_id] = draft
                 budget -= len(draft)
         return out
+
+    def pays(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+        """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders: ``worth``, with a
+        checkpoint drafter's cost of drafting the block spread over the tokens it would verify."""
+        extra = block_cost / max(1, self._length(req, max_model_len)) if self.source == "model" else 0.0
+        return req.draft_rate > worth(n, costs, extra)
+
+    def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+        """Whether a checkpoint drafter should draft ``req``'s next block after this step: when its rate
+        pays, or when its next probe is due (a block costs a drafter forward, verified or not)."""
+        if self.source != "model" or not draftable(req.sampler):
+            return False
+        return self.pays(req, n, costs, block_cost, max_model_len) or (req.draft_skipped + 1) % PROBE_EVERY == 0
 
     def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
         """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the
@@ -105,16 +119,17 @@ class DraftPolicy:
         return max(0, min(want, room, self.max_rows))
 
 
-def worth(n: int, costs: Sequence[float]) -> float:
+def worth(n: int, costs: Sequence[float], extra: float = 0.0) -> float:
     """The acceptance rate a draft must beat beside ``n`` decoders: a step of ``n`` rows costs ``a + b n``
-    and yields ``n`` tokens; ``D`` draft rows add ``c D`` and yield ``r D`` more, which pays when
-    ``r > c n / (a + b n)`` (the fitted costs of ``runtime/calibrate.py``). Near 0 for one stream, where
-    the step's fixed cost dominates; it rises with ``n`` as rows dominate, and turns drafting off once
-    no rate can pay. Without measured costs (warm-up off): 0, the token budget alone decides."""
+    and yields ``n`` tokens; ``D`` draft rows add ``(c + extra) D`` and yield ``r D`` more, which pays
+    when ``r > (c + extra) n / (a + b n)`` (``extra``: seconds per drafted token beyond its row, a
+    checkpoint drafter's forward). Near 0 for one stream with a cheap drafter, where the step's fixed
+    cost dominates; it rises with ``n`` as rows dominate, and turns drafting off once no rate can pay.
+    Without measured costs (warm-up off): 0, the token budget alone decides."""
     if len(costs) != 3:
         return 0.0
     a, b, c = costs
-    return c * n / (a + b * n)
+    return (c + extra) * n / (a + b * n)
 
 
 def record(req: Request, drafted: int, accepted: int) -> None:

@@ -197,13 +197,20 @@ class Scheduler(MemoryPressure):
             if not self._preempt():
                 break
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
-                          r.sampler, drafts.get(r.request_id, ())) for r in decoders]
+                          r.sampler, drafts.get(r.request_id, ()), self._wants_block(r, len(decoders)))
+                for r in decoders]
+
+    def _wants_block(self, req: Request, n: int) -> bool:
+        """Whether a checkpoint drafter drafts ``req``'s next block after this step (``DraftPolicy``)."""
+        d = self.drafting
+        return d is not None and d.wants_block(req, n, self.step_costs.costs(), self.step_costs.block_cost,
+                                               self.limits.max_model_len)
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
         if self.drafting is None or not decoders:
             return {}
-        return self.drafting.plan(decoders, self.limits, self.step_costs.costs())
+        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.block_cost)
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
@@ -331,9 +338,11 @@ class Scheduler(MemoryPressure):
             req = self.requests.get(rid)
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
+        if self.drafting is not None:
+            self.step_costs.observe_blocks(result.draft_s, result.proposals)
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
-                                    time.perf_counter() - self._planned_at)
+                                    time.perf_counter() - self._planned_at - result.draft_s)
         return self.take_outputs()
 
     def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 WINDOW = 256  # decode-only steps the fit remembers
 REFIT_EVERY = 16  # steps between fits (a fit is a 3x3 solve: cheap, but not free every step)
+BLOCK_DECAY = 0.9  # weight of the past in the running cost of drafting one block
 PRIOR_WEIGHT = 4.0  # each corner pseudo-step of the calibrated costs counts as this many observed steps
 
 
@@ -35,6 +36,7 @@ class StepCosts:
 
     def __init__(self, prior: Sequence[float] = ()):
         self.prior = tuple(prior)
+        self.block_cost = 0.0  # seconds a checkpoint drafter takes to draft one block (a running average)
         self._steps: deque[tuple[int, int, float]] = deque()
         self._sums = [0.0] * 9
         self._since_fit = 0
@@ -53,6 +55,12 @@ class StepCosts:
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
             self._fitted = self.fit()
+
+    def observe_blocks(self, seconds: float, blocks: int) -> None:
+        """A step's checkpoint-drafter time for ``blocks`` blocks (left out of the step's own ``seconds``)."""
+        if blocks > 0 and seconds >= 0:
+            per = seconds / blocks
+            self.block_cost = per if self.block_cost == 0.0 else BLOCK_DECAY * self.block_cost + (1 - BLOCK_DECAY) * per
 
     def _add(self, moments: tuple[float, ...], sign: int) -> None:
         for i, m in enumerate(moments):
