@@ -27,6 +27,17 @@ def add_tiny_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--robust-steps", type=int, default=1300, help="stage 2b steps (0: the original recipe only)")
     tr.add_argument("--robust-lr", type=float, default=5e-4)
     tr.add_argument("--free-share", type=float, default=0.8, help="share of stage 2 pictures drawn free hand")
+    dr = tsub.add_parser("train-drafter", help="train a DSpark drafter for the tiny model on its own outputs (CPU)")
+    dr.add_argument("--model", type=Path, default=Path("models/ds4v-tiny"))
+    dr.add_argument("--out", type=Path, default=None,
+                    help="folder for drafter.safetensors + config.json with the dspark_* keys (default: --model; "
+                         "another folder gets links to the model's files, a whole checkpoint)")
+    dr.add_argument("--steps", type=int, default=5000)
+    dr.add_argument("--stages", type=int, default=1, help="DSpark stages (the release has 3)")
+    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--threads", type=int, default=2, help="CPU threads (fixed for reproducibility)")
+    dr.add_argument("--time-limit", type=float, default=None,
+                    help="stop after this many seconds (data generation included)")
     ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
     ev.add_argument("--model", type=Path, default=None)
     ev.add_argument("--set", dest="eval_set", choices=("original", "wild", "both"), default="original",
@@ -53,6 +64,14 @@ def run_tiny(args) -> int:
             robust_steps=args.robust_steps,
             robust_lr=args.robust_lr, free_share=args.free_share))
         print(f"trained {args.out} in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
+        return 0
+    if args.tiny_command == "train-drafter":
+        from .tiny.train_drafter import DrafterSettings, train_drafter
+
+        torch.set_num_threads(args.threads)
+        summary = train_drafter(DrafterSettings(model=args.model, out=args.out or args.model, steps=args.steps,
+                                                stages=args.stages, seed=args.seed, time_limit_s=args.time_limit))
+        print(f"trained the drafter in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
         return 0
     from .tiny.evaluate import HELD_OUT_SEED, evaluate
     from .tiny.random_model import default_model

@@ -29,8 +29,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     if index.exists():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         files = sorted({path / f for f in weight_map.values()})
-    elif (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
+    elif (path / "model.safetensors").exists():  # plus siblings, e.g. a drafter (tiny train-drafter)
+        files = [path / "model.safetensors"] + sorted(set(path.glob("*.safetensors")) - {path / "model.safetensors"})
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
