@@ -206,16 +206,16 @@ def test_drafting_turns_down_as_the_batch_fills():
         return out
 
     assert policy.plan(decoders(1, 0.3), limits) == {"r0": (1, 2)}  # ceil(4 * 0.3) = 2 tokens
-    assert policy.plan(decoders(64, 0.3), limits) == {}  # 0.3 < worth(64) = 0.62
+    assert policy.plan(decoders(64, 0.3), limits, step=1) == {}  # 0.3 < worth(64) = 0.62 (not a probe step)
     many = policy.plan(decoders(64, 0.9), limits)  # above the floor, within half the spare rows
     assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
     window = DraftPolicy(k=4, min_n=1, max_n=3, window=4, max_rows=7, vocab_size=1000)
     one = decoders(1, 1.0)[0]
     assert window._history(one) == [3, 1, 2, 3]  # the last 4 of prompt + output, nothing copied beyond
     low = decoders(64, 0.3)  # below it: one token every PROBE_EVERY steps, so the rate can recover
-    plans = [policy.plan(low, limits) for _ in range(2 * PROBE_EVERY)]
+    plans = [policy.plan(low, limits, step=s) for s in range(1, 2 * PROBE_EVERY + 1)]
     drafted = [i for i, p in enumerate(plans) if p]
-    assert drafted == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert drafted == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]  # every request on the same steps
     assert all(len(d) == 1 for d in plans[drafted[0]].values()) and len(plans[drafted[0]]) > 1
 
 

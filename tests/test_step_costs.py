@@ -77,8 +77,8 @@ def test_the_learnt_costs_turn_drafting_off_at_width_and_keep_it_on_alone():
     limits = SchedulerLimits(num_layers=2, max_model_len=512, step_tokens=256, max_prefill_tokens=64,
                              min_prefill_tokens=16, prefill_mode="chunk", max_queue=8, step_costs=calibrated)
     assert policy.plan(_decoders(16, 0.5), limits)  # the calibrated forward's figures: drafts
-    assert policy.plan(_decoders(16, 0.5), limits, learnt) == {}  # the step's real costs: none
-    assert policy.plan(_decoders(1, 0.5), limits, learnt) == {"r0": (1, 2)}  # alone it still pays
+    assert policy.plan(_decoders(16, 0.5), limits, learnt, step=1) == {}  # the step's real costs: none
+    assert policy.plan(_decoders(1, 0.5), limits, learnt, step=1) == {"r0": (1, 2)}  # alone it still pays
 
 
 def _decoders(n: int, rate: float) -> list[Request]:
@@ -103,7 +103,7 @@ def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks()
     assert worth(1, costs, 2.3e-3 / 4) > 1 > 0.9 > worth(1, costs, 2e-5)
     assert policy.wants_block(req, 1, costs, 2e-5, 512)
     assert not policy.pays(req, 1, costs, 2.3e-3, 512)
-    due = [policy.wants_block(req, 1, costs, 2.3e-3, 512) for req.draft_skipped in range(2 * PROBE_EVERY)]
+    due = [policy.wants_block(req, 1, costs, 2.3e-3, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 2 and due[PROBE_EVERY - 1]  # only before a probe step
     ngram = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
     assert not ngram.wants_block(req, 1, costs, 0.0, 512)  # n-gram proposals cost no drafter forward

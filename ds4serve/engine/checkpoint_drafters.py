@@ -38,6 +38,7 @@ class DSparkDrafts:
                                  dtype=torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)
         self.plan = CapturePlan(tuple(weights.config.target_layer_ids), mean_hc=True)
         self.block = weights.config.block_size
+        self.keep_rows = weights.config.window  # the ring: rows of the last ``window`` positions
 
     def new_state(self):
         return self.rings.new_state()
@@ -70,6 +71,7 @@ class MTPDrafts:
     def __init__(self, drafter: MTPDrafter, k: int):
         self.drafter, self.block = drafter, k
         self.plan = CapturePlan((drafter.cfg.num_layers - 1,), mean_hc=False)  # the pre-hc_head residual
+        self.keep_rows = drafter.cfg.sliding_window + 1  # the ring's rows and the residual before them
         self._hc, self._d, self._vocab = drafter.cfg.hc_mult, drafter.cfg.hidden_size, drafter.cfg.vocab_size
 
     def new_state(self) -> _MTPSlot:
@@ -89,7 +91,7 @@ class MTPDrafts:
         for owner, rows in per.items():
             slot = states[owner]
             first = int(positions[rows[0]])
-            if slot.state is None:
+            if slot.state is None or slot.state.next_pos != first:  # new, or rows skipped while not drafting
                 slot.state, slot.start = MTPState.new(self.drafter, first), first
             index = torch.tensor(rows)
             live.append(slot.state)

@@ -69,6 +69,7 @@ class DraftModel(Protocol):
 
     plan: CapturePlan  # what it reads from the target's forward
     block: int  # tokens one proposal holds
+    keep_rows: int  # the latest committed rows a block can depend on (older ones may be skipped)
 
     def new_state(self) -> Any: ...
 
@@ -125,6 +126,7 @@ class ModelDrafts:
         self.model = model
         self.rejection = acceptance == "rejection"
         self._states: dict[int, tuple[str, Any]] = {}
+        self._backlog: dict[int, list[tuple[int, tuple[int, ...], torch.Tensor]]] = {}  # rows not yet committed
         self.pending: dict[int, Proposal] = {}
         self.not_ready = 0  # proposals skipped: the drafter's window was not whole (after a prefix hit)
 
@@ -140,36 +142,57 @@ class ModelDrafts:
             held = (request_id, self.model.new_state())
             self._states[slot] = held
             self.pending.pop(slot, None)
+            self._backlog.pop(slot, None)
         return held[1]
 
     def commit(self, fed: Sequence[Fed], captured: torch.Tensor, kept: Mapping[int, int]) -> None:
         """``kept[slot]``: how many of its leading rows a sequence committed (a prompt chunk: all of
-        them, missing from ``kept``; a decoder: 1 + accepted; 0: none, e.g. its sampling failed)."""
-        positions: list[int] = []
-        tokens: list[int] = []
-        owners: list[int] = []
-        rows: list[int] = []
-        states: list[Any] = []
+        them, missing from ``kept``; a decoder: 1 + accepted; 0: none, e.g. its sampling failed).
+
+        The rows wait in the slot's backlog (copies of the captured rows, the last ``model.keep_rows``
+        only: no drafter reads further back) and reach the drafter when the slot next drafts a block
+        (``_flush``): a request whose rate does not pay for drafting costs a row copy a step, not a
+        drafter forward."""
         for f in fed:
             n = kept.get(f.slot, len(f.ids))
             if n <= 0:
                 continue
-            owners += [len(states)] * n
-            states.append(self._state(f.request_id, f.slot, f.start))
-            positions += range(f.start, f.start + n)
-            tokens += f.ids[:n]
-            rows += range(f.row, f.row + n)
+            self._state(f.request_id, f.slot, f.start)
+            log_ = self._backlog.setdefault(f.slot, [])
+            log_.append((f.start, f.ids[:n], captured[f.row:f.row + n].clone()))
+            total = sum(len(ids) for _, ids, _ in log_)
+            while total - len(log_[0][1]) >= self.model.keep_rows:  # whole chunks no drafter will read
+                total -= len(log_.pop(0)[1])
+
+    def _flush(self, slots: Sequence[int]) -> None:
+        """Hand the backlogs of ``slots`` to the drafter in one batched commit."""
+        positions: list[int] = []
+        tokens: list[int] = []
+        owners: list[int] = []
+        parts: list[torch.Tensor] = []
+        states: list[Any] = []
+        for slot in slots:
+            log_ = self._backlog.pop(slot, None)
+            if not log_:
+                continue
+            for start, ids, hidden in log_:
+                owners += [len(states)] * len(ids)
+                positions += range(start, start + len(ids))
+                tokens += ids
+                parts.append(hidden)
+            states.append(self._states[slot][1])
         if not states:
             return
-        dev = captured.device
+        dev = parts[0].device
         self.model.commit(states, torch.tensor(positions, device=dev), torch.tensor(tokens, device=dev),
-                          captured.index_select(0, torch.tensor(rows, device=dev)), torch.tensor(owners, device=dev))
+                          torch.cat(parts) if len(parts) > 1 else parts[0], torch.tensor(owners, device=dev))
 
     def propose(self, asks: Sequence[Ask]) -> dict[int, Proposal]:
         """Draft the next block of every ready ``ask``; kept in ``pending`` and returned by slot."""
         asks = [a for a in asks if a.slot in self._states and self._states[a.slot][0] == a.request_id]
         if not asks:
             return {}
+        self._flush([a.slot for a in asks])
         states = [self._states[a.slot][1] for a in asks]
         ok = self.model.ready(states, torch.tensor([a.position - 1 for a in asks]))
         self.not_ready += ok.count(False)
@@ -200,6 +223,7 @@ class ModelDrafts:
         if held is not None:
             self.model.release(held[1])
         self.pending.pop(slot, None)
+        self._backlog.pop(slot, None)
 
 
     def _pick(self, asks: Sequence[Ask]) -> Pick:

@@ -13,7 +13,8 @@ rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``
 prefill progress). Requests whose drafts were accepted most often go first, and each drafts
 ``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own acceptance
 (starting at 1, as a new request has no history). A request whose rate does not pay drafts a single
-token every ``PROBE_EVERY`` steps, so a rate that fell during one stretch of text can recover in the next.
+token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that fell during one
+stretch of text can recover in the next.
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
 (``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
@@ -52,12 +53,14 @@ class DraftPolicy:
     source: str = "ngram"  # "ngram": prompt lookup here; "model": the checkpoint drafter's blocks (engine side)
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
-    def plan(self, decoders: Sequence[Request], limits: SchedulerLimits,
-             costs: Sequence[float] | None = None, block_cost: float = 0.0) -> dict[str, tuple[int, ...]]:
+    def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
+             block_cost: float = 0.0, step: int = 0) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
         requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
         observed costs, ``step_costs.StepCosts``; the calibrated forward's by default) and, for a
-        checkpoint drafter, for the ``block_cost`` seconds its block took to draft."""
+        checkpoint drafter, for the ``block_cost`` seconds its block took to draft. ``step``: the
+        scheduler's step count; requests below the bar probe together when it is a multiple of
+        ``PROBE_EVERY`` (so a checkpoint drafter runs once for all of them, not once a step for one)."""
         budget = int(limits.prefill_tokens(len(decoders)) * self.share)
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
@@ -67,7 +70,7 @@ class DraftPolicy:
             probe = not self.pays(req, len(decoders), costs, block_cost, limits.max_model_len)
             if probe:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
-                if req.draft_skipped % PROBE_EVERY:
+                if step % PROBE_EVERY:
                     continue
             n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
@@ -86,12 +89,13 @@ class DraftPolicy:
         extra = block_cost / max(1, self._length(req, max_model_len)) if self.source == "model" else 0.0
         return req.draft_rate > worth(n, costs, extra)
 
-    def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
-        """Whether a checkpoint drafter should draft ``req``'s next block after this step: when its rate
-        pays, or when its next probe is due (a block costs a drafter forward, verified or not)."""
+    def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
+                    step: int = 0) -> bool:
+        """Whether a checkpoint drafter should draft ``req``'s next block after step ``step``: when its
+        rate pays, or when the next step probes (a block costs a drafter forward, verified or not)."""
         if self.source != "model" or not draftable(req.sampler):
             return False
-        return self.pays(req, n, costs, block_cost, max_model_len) or (req.draft_skipped + 1) % PROBE_EVERY == 0
+        return self.pays(req, n, costs, block_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
 
     def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
         """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the

@@ -51,6 +51,7 @@ class Scheduler(MemoryPressure):
         self.drafting = drafting  # speculative decoding's drafter and limits; None: no drafts
         self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
         self._planned_at = time.perf_counter()
+        self._schedules = 0
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
@@ -130,6 +131,7 @@ class Scheduler(MemoryPressure):
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         self._planned_at = time.perf_counter()  # a decode step's cost runs from here to the end of apply
+        self._schedules += 1  # drafting probes on multiples of PROBE_EVERY of this count
         self._resume_parked()
         self._admit_waiting()
         decodes, passes = [], []
@@ -204,13 +206,14 @@ class Scheduler(MemoryPressure):
         """Whether a checkpoint drafter drafts ``req``'s next block after this step (``DraftPolicy``)."""
         d = self.drafting
         return d is not None and d.wants_block(req, n, self.step_costs.costs(), self.step_costs.block_cost,
-                                               self.limits.max_model_len)
+                                               self.limits.max_model_len, self._schedules)
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
         if self.drafting is None or not decoders:
             return {}
-        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.block_cost)
+        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.block_cost,
+                                  self._schedules)
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
