@@ -163,8 +163,9 @@ def test_metrics_and_the_access_log_show_the_hits(srv, caplog):
     queried_before = metric(srv, "ds4serve_prefix_cache_queried_tokens_total")
     alice_before = metric(srv, "ds4serve_prompt_cached_tokens_total", key_name="alice")
     chat(srv, "alice", msgs)
-    with caplog.at_level(logging.INFO, logger="ds4serve.access"):
-        got = cached(chat(srv, "alice", msgs))
+    with caplog.at_level(logging.INFO, logger="ds4serve.access"):  # until the line is read: it is written
+        got = cached(chat(srv, "alice", msgs))                      # after the response, and at a lower
+        line = _access_line(caplog, got)                            # level it would be dropped
     assert got >= INTERVAL
     assert metric(srv, "ds4serve_prefix_cache_hit_tokens_total") - hit_before >= got
     assert metric(srv, "ds4serve_prefix_cache_queried_tokens_total") - queried_before >= 2 * got
@@ -172,7 +173,6 @@ def test_metrics_and_the_access_log_show_the_hits(srv, caplog):
     assert metric(srv, "ds4serve_prefix_cache_enabled") == 1
     assert metric(srv, "ds4serve_prefix_cache_snapshots") >= 1 and metric(srv, "ds4serve_prefix_cache_bytes") > 0
     assert metric(srv, "ds4serve_prefix_cache_budget_bytes") >= metric(srv, "ds4serve_prefix_cache_bytes")
-    line = _access_line(caplog, got)
     assert line.access["key_name"] == "alice" and line.access["cached_tokens"] == got
     assert f"cached_tokens={got}" in line.getMessage() and KEYS["alice"] not in line.getMessage()
 
