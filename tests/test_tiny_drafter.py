@@ -28,7 +28,6 @@ from ds4serve.tiny.train_drafter import (DrafterSettings, bench_shape_prompts, b
                                          write_drafter)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "ds4v-tiny"
-SHIPPED = (BUNDLED / "drafter.safetensors").exists()
 # the default recipe's drafter (5000 steps, 1 stage) measured 2.10 on this test's prompts (2.86 on bench spec's)
 ACCEPTANCE_FLOOR = 1.9
 
@@ -104,15 +103,3 @@ def test_saved_drafter_decodes_exactly_through_the_engine(trained):
     got = drafted.generate(prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
     assert got == want
     assert drafted.core.stats.speculation.get("drafted_tokens", 0) > 0
-
-
-@pytest.mark.skipif(not SHIPPED, reason="the bundled model ships no drafter (models/ds4v-tiny/drafter.safetensors)")
-def test_bundled_drafter_acceptance_stays_above_the_floor():
-    llm = LLM(BUNDLED, max_seqs=4, warmup=False, speculative=json.dumps({"method": "dspark"}))
-    plain = LLM(BUNDLED, max_seqs=4, warmup=False)
-    prompts = bench_shape_prompts(4, llm.core.cfg.vocab_size, seed=5)
-    got = llm.generate(prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
-    assert got == plain.generate(prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
-    figures = llm.core.stats.speculation
-    length = 1 + figures["accepted_tokens"] / figures["verify_steps"]
-    assert length >= ACCEPTANCE_FLOOR, dict(figures)
