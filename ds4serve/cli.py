@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args) -> int:
     from .server.keys import KeyConfigError, load_keys
     from .config import ConfigError
-    from .runtime.parallel import ParallelSettings, run_node
+    from .runtime.tp_group import ParallelSettings, run_node
     from .runtime.rendezvous import resolve
     from .server.launch import BindError, build_state, check_binding, run
     from .tiny.random_model import default_model

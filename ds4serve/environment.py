@@ -21,7 +21,7 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class NativeBuild:
-    """How the native host forward is compiled (``model/host_decode.py``), from the environment:
+    """How the native host forward is compiled (``model/host_forward.py``), from the environment:
 
     ``DS4SERVE_NATIVE_TARGET``: the instruction set, ``native`` (default: ``-march=native``, falling back
     to the compiler's baseline where that fails), or any ``-march`` value (``x86-64-v2`` has no FMA,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .cache import SeqChunk
-from .engine import ModelRunner
+from .engine.reference_forward import ReferenceForward
 from .engine.sampling import SamplingParams
 from .model import load_model, parse_dtype
 from .runtime import assemble_core
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class LLM:
     """A DeepSeek-V4 checkpoint loaded for batched inference.
 
-    Engine settings (``max_seqs``, ``kv_budget``, ``host_budget``, ``step_tokens``,
+    Executor settings (``max_seqs``, ``kv_budget``, ``host_budget``, ``step_tokens``,
     ``max_prefill_tokens``, ``prefill_mode``, ``max_model_len``, ...) are keyword arguments; see
     ``ds4serve.settings.EngineSettings``. Tiny budgets are allowed, e.g. to force preemption in tests.
     Offline generation plans by the token budget (``max_stall=0``) unless told otherwise: a batch job
@@ -46,7 +46,7 @@ class LLM:
         settings.setdefault("max_stall", 0.0)
         self.core = assemble_core(self.cfg, self.model, EngineSettings(**settings), self.device, parse_dtype(dtype),
                                   eos_ids=eos_ids, checkpoint=Path(path))
-        self.runner = ModelRunner(self.cfg, self.model, self.core.cache.state)
+        self.reference = ReferenceForward(self.cfg, self.model, self.core.cache.state)
 
     @property
     def state(self):
@@ -115,7 +115,7 @@ class LLM:
 
         ``engine`` False: the torch forward and head (the reference the native forward is checked against);
         True: the serving engine's own forward and head (native where it runs), one chunk per forward, so
-        its rows are the bits the steps' prompt logprobs start from (``Engine.prompt_logits``)."""
+        its rows are the bits the steps' prompt logprobs start from (``Executor.prompt_logits``)."""
         ids = list(ids)
         if not ids:
             raise ValueError("empty prompt")
@@ -134,8 +134,8 @@ class LLM:
                 if not cache.reserve({slot: start + len(piece)}):
                     raise RuntimeError("not enough cache pages for this prompt")
                 chunks = [SeqChunk(slot, start, piece, cache.block_table(slot))]
-                outs.append(self.core.engine.prompt_logits(chunks) if engine
-                            else self.runner.forward(chunks, all_logits=True))
+                outs.append(self.core.executor.prompt_logits(chunks) if engine
+                            else self.reference.forward(chunks, all_logits=True))
         finally:
             cache.drop(slot)
         return torch.cat(outs)

@@ -1,6 +1,6 @@
 """Compiling the host's C kernels once, on first use: one helper for every native part.
 
-The native parts (``model/native.py``: Sinkhorn, RoPE, MXFP4; ``model/host_decode.py``: the host forward;
+The native parts (``model/native.py``: Sinkhorn, RoPE, MXFP4; ``model/host_forward.py``: the host forward;
 ``cache/native_view.py``: the index view) are C sources shipped in the package, compiled with the system
 C compiler into ``cache_root()/native/<hash>/`` and loaded with ctypes. The hash covers the source, the
 flags and anything else the build depends on (the CPU it is tuned for), so a cache shared between

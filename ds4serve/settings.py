@@ -140,7 +140,7 @@ class EngineSettings:
     # by the runtime (this module sits below the engine and does not restate the list)
     decode_graphs: str = "auto"
     # text forwards (decode rows and prefill chunks) on the host as one native call per step
-    # (model/host_decode.py): "auto" where it applies (host, fp32, one process; else the torch path,
+    # (model/host_forward.py): "auto" where it applies (host, fp32, one process; else the torch path,
     # reason logged), "on" (start-up fails where it cannot), "off" (the torch path always)
     host_kernels: str = "auto"
     # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``

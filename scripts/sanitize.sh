@@ -20,7 +20,7 @@ if [ ! -e "$ASAN" ]; then
 fi
 tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
-    tests=(tests/test_host_decode.py tests/test_host_packed.py tests/test_native_kernels.py tests/test_native_view.py
+    tests=(tests/test_host_forward.py tests/test_host_packed.py tests/test_native_kernels.py tests/test_native_view.py
            tests/test_prefix_cache.py tests/test_engine_invariance.py tests/test_tiny_model.py)
 fi
 export DS4SERVE_NATIVE_SANITIZE=1

@@ -17,7 +17,7 @@ def ours_incremental(llm, prompt: list[int], steps: int, chunks: list[int] | Non
 
     def fwd(start: int, piece: list[int]) -> torch.Tensor:
         assert cache.reserve({slot: start + len(piece)})
-        return llm.runner.forward([SeqChunk(slot, start, piece, cache.block_table(slot))], all_logits=True)
+        return llm.reference.forward([SeqChunk(slot, start, piece, cache.block_table(slot))], all_logits=True)
 
     try:
         outs, pos = [], 0

@@ -20,7 +20,7 @@ from ds4serve.chat import Tokenizer  # noqa: E402
 from ds4serve.engine.sampling import SamplingParams  # noqa: E402
 from ds4serve.scheduler.spec import RequestSpec  # noqa: E402
 from ds4serve.llm import LLM  # noqa: E402
-from ds4serve.model import host_decode  # noqa: E402
+from ds4serve.model import host_forward  # noqa: E402
 from ds4serve.multimodal.pipeline import ImagePipeline  # noqa: E402
 from ds4serve.tiny.data import examples  # noqa: E402
 from ds4serve.tiny.evaluate import answer_text, prepare, run_examples  # noqa: E402
@@ -39,7 +39,7 @@ def serve() -> dict:
     exs = [ex for ex in examples(11, 40) if ex.images][:6] + examples(12, 4, ("math",))
     llm = LLM(BUNDLED, host_kernels="on", max_seqs=8, prefix_interval=16)
     core = llm.core
-    assert core.engine.host is not None and "bounds checked" in host_decode.description()
+    assert core.executor.host is not None and "bounds checked" in host_forward.description()
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     pipeline = ImagePipeline.for_engine(core, tok)
     turns = [prepare(core, tok, pipeline, ex) for ex in exs]
@@ -69,7 +69,7 @@ def _run_all(core, reqs) -> list[list[int]]:
 def corrupt(what: str) -> None:
     """One prefill then one decode forward of a sequence, with ``what`` out of range in the second."""
     llm = LLM(BUNDLED, host_kernels="on", max_seqs=2, enable_prefix_caching=True, warmup=False)
-    core, engine, cache = llm.core, llm.core.engine, llm.core.cache
+    core, engine, cache = llm.core, llm.core.executor, llm.core.cache
     slot = cache.alloc_slot()
     prompt = [5 + (7 * i) % 200 for i in range(72)]  # the last token closes a window of every ratio (4, 8)
     assert cache.reserve({slot: len(prompt) + 2})

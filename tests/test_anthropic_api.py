@@ -487,9 +487,9 @@ def test_deadline_is_a_timeout_error(random_ckpt):
             with client.messages.stream(model="tiny", max_tokens=900, messages=USER, extra_body=T0) as s:
                 s.get_final_message()
         assert _error(http.post(url, json=LONG), 504)["error"]["type"] == "timeout_error"
-        assert tight.engine.call(lambda core: core.leaks()) == ""
+        assert tight.loop.call(lambda core: core.leaks()) == ""
 
 
 def test_server_healthy_afterwards(srv):
     assert httpx.get(srv.base + "/health").status_code == 200
-    assert srv.engine.call(lambda core: core.leaks()) == ""
+    assert srv.loop.call(lambda core: core.leaks()) == ""

@@ -56,4 +56,4 @@ def test_api_conforms_to_its_schema(fuzz_server):
 
 def test_server_healthy_after_fuzzing(fuzz_server):
     assert httpx.get(fuzz_server.base + "/health").status_code == 200
-    assert fuzz_server.engine.call(lambda core: core.leaks()) == ""
+    assert fuzz_server.loop.call(lambda core: core.leaks()) == ""

@@ -16,7 +16,7 @@ LEAVES = {"config", "environment", "multimodal", "chat"}
 ALLOWED = {
     "config": set(), "environment": set(), "multimodal": set(), "chat": set(),
     "settings": {"config"},  # EngineSettings, parse_budget; read by runtime and above
-    "native_build": {"config", "environment"},  # compiling the C parts (model/native.py, model/host_decode.py, cache/native_view.py)
+    "native_build": {"config", "environment"},  # compiling the C parts (model/native.py, model/host_forward.py, cache/native_view.py)
     "model": {"config", "environment", "native_build"},
     "cache": {"config", "environment", "model", "multimodal", "native_build"},  # model/batch.py only (checked below); image records
     "engine": {"config", "environment", "cache", "model", "multimodal", "chat"},  # chat: grammar masks in the sampler

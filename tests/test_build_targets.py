@@ -26,8 +26,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # the native batch-invariance, multi-block, packed-expert, prefix-identity and draft-verification tests
 # (speculative decoding promises plain decoding's bits), and every native-vs-torch comparison in those files
-EXACTNESS = ["tests/test_host_decode.py", "tests/test_host_packed.py", "tests/test_stored_weights.py",
-             "tests/test_prefix_cache.py", "tests/test_spec_decode.py", "tests/test_capture.py"]
+EXACTNESS = ["tests/test_host_forward.py", "tests/test_host_packed.py", "tests/test_stored_weights.py",
+             "tests/test_prefix_cache.py", "tests/test_spec_decode.py", "tests/test_capture.py",
+             "tests/test_native_dspark.py"]
 # the default build (-march=native, AVX-512 on the CI machine) runs with the whole suite; these two add a build
 # without FMA and the AVX2 + FMA build tuned for Zen 3 whose contraction broke the promises before
 TARGETS = ["x86-64-v2", "znver3"]
@@ -74,7 +75,7 @@ def test_exactness_suites_hold_for_the_target(target):
     why = _missing(target)
     if why:
         pytest.skip(f"{target}: {why}")
-    built = _run(target, "-c", "from ds4serve.model import host_decode as h; h.library(); print(h.description())")
+    built = _run(target, "-c", "from ds4serve.model import host_forward as h; h.library(); print(h.description())")
     assert built.returncode == 0 and f"-march={target}" in built.stdout, built.stderr[-2000:]
     # host-off cases run the torch forward, which no -march changes: the main run has them
     done = _run(target, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "not host-off", *EXACTNESS)
@@ -84,7 +85,7 @@ def test_exactness_suites_hold_for_the_target(target):
 def test_a_named_target_is_what_gets_built_and_says_what_it_computes_with():
     """The target decides FMA; a target without it gets the separate multiply and add (never a silent
     fallback to another target), and the description the start-up log prints names both."""
-    probe = "from ds4serve.model import host_decode as h; lib = h.library(); print(h.description())"
+    probe = "from ds4serve.model import host_forward as h; lib = h.library(); print(h.description())"
     for target, fma in (("x86-64-v2", "no FMA"), ("x86-64-v3", "fused multiply-add")):
         if _missing(target):
             continue
@@ -97,16 +98,16 @@ def test_a_named_target_is_what_gets_built_and_says_what_it_computes_with():
 
 def test_the_start_up_log_names_the_target(ckpt_factory, caplog):
     from ds4serve.llm import LLM
-    from ds4serve.model import host_decode
+    from ds4serve.model import host_forward
 
-    if host_decode.library() is None:
+    if host_forward.library() is None:
         pytest.skip("no C compiler: the native forward is not built here")
     _, path = ckpt_factory("A")
     with caplog.at_level(logging.INFO, logger="ds4serve"):
         llm = LLM(path, max_seqs=2, host_kernels="on", warmup=False)
-    assert llm.core.engine.host is not None
+    assert llm.core.executor.host is not None
     line = next(r.getMessage() for r in caplog.records if "native host forward on" in r.getMessage())
-    assert f"built for {host_decode.description()}" in line and "-march=native" in line and "contraction off" in line
+    assert f"built for {host_forward.description()}" in line and "-march=native" in line and "contraction off" in line
 
 
 @pytest.mark.parametrize("flags", [["-march=native"], ["-march=x86-64-v2", "-Wno-psabi"], ["-march=native", "-DDS4_CHECK"]],

@@ -65,7 +65,7 @@ def test_plan_matches_what_the_engine_allocates():
     seqs, length = 4, 512
     llm = LLM(BUNDLED, max_seqs=seqs, max_model_len=length, warmup=False)
     plan = plan_capacity(llm.cfg, torch.float32, 8 * GiB, length)
-    model = llm.core.engine.model
+    model = llm.core.executor.model
     tensors = {t.data_ptr(): t for t in [*model.state_dict().values(), *model.vision_encoder.state_dict().values()]}
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
     assert abs(plan.weights.total - weights) <= 0.05 * weights, (plan.weights.total, weights)

@@ -25,7 +25,7 @@ def _steps(vocab: int) -> list[list[tuple[int, list[int]]]]:
 
 def _run(llm: LLM, plan: CapturePlan | None, steps, stop: int | None = None):
     """Each step's final streams (or, with ``stop``, the streams after layer ``stop - 1``) and its captures."""
-    cache, engine = llm.core.cache, llm.core.engine
+    cache, engine = llm.core.cache, llm.core.executor
     engine.capture = plan
     slot = cache.alloc_slot()
     out = []

@@ -70,7 +70,7 @@ def test_auto_runs_what_the_checkpoint_ships(dspark_ckpt, mtp_ckpt, caplog):
     caplog.set_level(logging.INFO, logger="ds4serve")
     for path, kind in ((dspark_ckpt, "dspark"), (mtp_ckpt, "mtp")):
         llm = LLM(path, max_seqs=1, warmup=False, speculative="auto")
-        assert llm.core.engine.drafts is not None
+        assert llm.core.executor.drafts is not None
         assert f"ships a {kind} drafter" in caplog.text
 
 

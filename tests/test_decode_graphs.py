@@ -64,7 +64,7 @@ def test_padded_decode_view_matches_the_ordinary_one(llm_factory):
     only the scratch page."""
     llm = llm_factory("A", max_seqs=16)
     core, model = llm.core, llm.model
-    cache, engine = core.cache, core.engine
+    cache, engine = core.cache, core.executor
     lengths = [1, 3, 4, 15, 16, 31, 63, 64]  # ratio 4 / 16 windows close at some of them
     slots = []
     try:
@@ -72,7 +72,7 @@ def test_padded_decode_view_matches_the_ordinary_one(llm_factory):
             slot = cache.alloc_slot()
             slots.append(slot)
             assert cache.reserve({slot: n + 1})
-            llm.runner.forward([SeqChunk(slot, 0, random_ids(n, 1000, seed=40 + i), cache.block_table(slot))])
+            llm.reference.forward([SeqChunk(slot, 0, random_ids(n, 1000, seed=40 + i), cache.block_table(slot))])
         chunks = [SeqChunk(s, n, [5 + i], cache.block_table(s)) for i, (s, n) in enumerate(zip(slots, lengths))]
         view = engine._view(chunks)
         layers = cache.state.layers
@@ -110,7 +110,7 @@ def test_padded_decode_view_matches_the_ordinary_one(llm_factory):
 
 def test_views_that_do_not_qualify_are_refused(llm_factory):
     llm = llm_factory("A", max_seqs=16)
-    cache, engine = llm.core.cache, llm.core.engine
+    cache, engine = llm.core.cache, llm.core.executor
     slot = cache.alloc_slot()
     try:
         assert cache.reserve({slot: 8})
@@ -127,7 +127,7 @@ def test_views_that_do_not_qualify_are_refused(llm_factory):
 def test_a_failing_capture_turns_graphs_off_and_stays_correct(llm_factory, caplog):
     """Graph mode falls back to the eager step, loudly, when capture fails (forced here on CPU)."""
     llm = llm_factory("A", max_seqs=4)
-    engine, cache = llm.core.engine, llm.core.cache
+    engine, cache = llm.core.executor, llm.core.cache
     runner = DecodeRunner("cuda", engine._decode_forward, 4, llm.cfg.sliding_window,
                           {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios})
 
@@ -139,7 +139,7 @@ def test_a_failing_capture_turns_graphs_off_and_stays_correct(llm_factory, caplo
     try:
         assert cache.reserve({slot: 8})
         with torch.inference_mode():
-            llm.runner.forward([SeqChunk(slot, 0, [3, 4, 5], cache.block_table(slot))])
+            llm.reference.forward([SeqChunk(slot, 0, [3, 4, 5], cache.block_table(slot))])
             view = engine._view([SeqChunk(slot, 3, [6], cache.block_table(slot))])
             with caplog.at_level("ERROR"):
                 out = runner.run(view, view.num_tokens)
@@ -160,7 +160,7 @@ def test_cuda_graph_decode_equals_eager(ckpt_factory):
     want = LLM(path, device="cuda", max_seqs=8, decode_graphs="off").generate(prompts, max_tokens=40)
     llm = LLM(path, device="cuda", max_seqs=8, decode_graphs="cuda")
     assert llm.generate(prompts, max_tokens=40) == want
-    runner = llm.core.engine.decode
+    runner = llm.core.executor.decode
     assert runner.disabled is None, runner.disabled
     assert runner.stats["captures"] > 0 and runner.stats["replays"] > runner.stats["captures"]
 
@@ -169,12 +169,12 @@ def test_a_decode_forward_is_idempotent(llm_factory):
     """The graph self-check replays a step on the inputs it just ran: that is only sound if a decode
     forward rewrites the same state rows with the same values and reads nothing it wrote."""
     llm = llm_factory("A", max_seqs=4)
-    cache, engine = llm.core.cache, llm.core.engine
+    cache, engine = llm.core.cache, llm.core.executor
     slots = [cache.alloc_slot() for _ in range(3)]
     try:
         for i, (s, n) in enumerate(zip(slots, (15, 31, 64))):
             assert cache.reserve({s: n + 1})
-            llm.runner.forward([SeqChunk(s, 0, random_ids(n, 1000, seed=60 + i), cache.block_table(s))])
+            llm.reference.forward([SeqChunk(s, 0, random_ids(n, 1000, seed=60 + i), cache.block_table(s))])
         view = engine._view([SeqChunk(s, n, [9], cache.block_table(s)) for s, n in zip(slots, (15, 31, 64))])
         fixed = static_decode_view(view, 4, llm.cfg.sliding_window,
                                    {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios}, n_seqs=3)
@@ -209,7 +209,7 @@ def test_runner_replays_with_fresh_inputs(llm_factory, ckpt_factory):
     prompts = [random_ids(n, 1000, seed=500 + n) for n in (1, 9, 30, 64)]
     want = llm_factory("A", max_seqs=4).generate(prompts, max_tokens=24)
     llm = llm_factory("A", max_seqs=4, decode_graphs="static")
-    engine, cache = llm.core.engine, llm.core.cache
+    engine, cache = llm.core.executor, llm.core.cache
     runner = DecodeRunner("cuda", engine._decode_forward, 4, llm.cfg.sliding_window,
                           {m: cache.state.scratch_row(m) for m in llm.cfg.distinct_ratios})
 

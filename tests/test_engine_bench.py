@@ -52,7 +52,7 @@ def test_breakdown_of_a_real_engine(tmp_path, host_kernels):
     assert tok_s > 0 and step_ms > 0
     split = ours.breakdown(4, steps=3)
     assert split["streams"] == 4 and 0 < split["forward_ms"] < split["step_ms"]
-    assert split["native"] is (ours.llm.core.engine.host is not None)
+    assert split["native"] is (ours.llm.core.executor.host is not None)
     if host_kernels == "off":
         assert not split["native"]
     if not split["native"]:  # the torch path's products are recorded and replayed

@@ -55,10 +55,10 @@ def test_sixteen_staggered_requests_equal_solo(seeded, decode_graphs, solo, llm_
     """Also with pure-decode steps on fixed-shape padded views (the shapes CUDA graphs replay)."""
     llm = llm_factory("A", max_seqs=16, step_tokens=96, max_prefill_tokens=128, decode_graphs=decode_graphs,
                       host_kernels=host_kernels)
-    before = llm.core.engine.decode.stats["static_steps"]
+    before = llm.core.executor.decode.stats["static_steps"]
     outs, stats = run_staggered(llm, _prompts(), [_params(i, seeded) for i in range(16)])
     if decode_graphs == "static":
-        assert llm.core.engine.decode.stats["static_steps"] > before + 20
+        assert llm.core.executor.decode.stats["static_steps"] > before + 20
     for i, (got, want) in enumerate(zip(outs, solo[seeded])):
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs from its solo run"
 
@@ -88,17 +88,17 @@ def test_layer_sliced_passes_equal_solo(solo, llm_factory, host_kernels):
     llm = llm_factory("A", max_seqs=16, step_tokens=48, max_prefill_tokens=300, prefill_mode="layers",
                       min_prefill_tokens=8, host_kernels=host_kernels)
     slices = []
-    engine_step = llm.core.engine.step
+    engine_step = llm.core.executor.step
 
     def spy(plan):
         slices.extend(p.layer_stop - p.layer_start for p in plan.passes)
         return engine_step(plan)
 
-    llm.core.engine.step = spy
+    llm.core.executor.step = spy
     try:
         outs, stats = run_staggered(llm, _prompts(), [_params(i, False) for i in range(16)], every=2)
     finally:
-        llm.core.engine.step = engine_step
+        llm.core.executor.step = engine_step
     assert any(n < 6 for n in slices), "no pass was layer-sliced"
     for i, (got, want) in enumerate(zip(outs, solo[False])):
         assert got == want, f"request {i} (prompt {LENGTHS[i]} tokens) differs when layer-sliced"

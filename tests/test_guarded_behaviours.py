@@ -227,7 +227,7 @@ def test_a_suspect_is_cleared_exactly_when_it_recomputed_past_its_failure(at: in
     """After a transient failure at step ``at``, every member of that step is a suspect for exactly
     as long as it has computed fewer tokens than it had reached at the end of the failed step: each
     step after the failure, ``suspect is not None`` iff ``computed < end``. All finish normally."""
-    engine = type("Engine", (_FailsOnce,), {"at": at, "seen": 0})
+    engine = type("Executor", (_FailsOnce,), {"at": at, "seen": 0})
     core = make_core(engine=engine, max_seqs=6, step_tokens=24, max_prefill_tokens=16)
     reqs = [core.make_request(RequestSpec(list(range(1, 2 + (i * 11) % 50)),
                                           SamplingParams(max_tokens=12, temperature=0)))
@@ -239,7 +239,7 @@ def test_a_suspect_is_cleared_exactly_when_it_recomputed_past_its_failure(at: in
     while core.has_work:
         core.step()
         if not ends and engine.seen >= at:
-            ends = _failure_ends(core.engine.plans[at - 1])
+            ends = _failure_ends(core.executor.plans[at - 1])
             assert ends and all(r.suspect is not None for r in reqs if r.request_id in ends)
         for r in reqs:
             if r.request_id in ends and not r.status.finished:

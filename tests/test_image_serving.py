@@ -142,13 +142,13 @@ def test_image_pass_whole_equals_layer_slices(make_llm, tok):
     reqs = _image_requests(whole, tok)
     want = [_solo(whole, p, ims) for p, ims in reqs]
     slices = []
-    step_fn = sliced.engine.step
+    step_fn = sliced.executor.step
 
     def spy(plan):
         slices.extend(p.layer_stop - p.layer_start for p in plan.passes if any(m.images for m in p.members))
         return step_fn(plan)
 
-    sliced.engine.step = spy
+    sliced.executor.step = spy
     try:
         decoder = sliced.make_request(RequestSpec([5, 6, 7],
                                                   SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)))
@@ -164,7 +164,7 @@ def test_image_pass_whole_equals_layer_slices(make_llm, tok):
             got.append(list(r.output_ids))
         sliced.abort(decoder.request_id)
     finally:
-        sliced.engine.step = step_fn
+        sliced.executor.step = step_fn
     assert slices and max(slices) < 6, f"image passes were not layer-sliced: {slices}"
     assert got == want
     assert sliced.leaks() == ""
@@ -220,4 +220,4 @@ def test_openai_client_with_image_parts(server):
     with pytest.raises(openai.BadRequestError, match="image"):
         client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}])
-    assert server.engine.call(lambda core: core.leaks()) == ""
+    assert server.loop.call(lambda core: core.leaks()) == ""

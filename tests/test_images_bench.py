@@ -44,14 +44,14 @@ def test_summarise_takes_medians_and_the_overhead():
 def test_watch_image_passes_counts_the_steps_of_image_passes_only():
     member = PassMember("r", 0, 0, (1, 2), sample=False)
     image_member = PassMember("i", 1, 0, (1, 2), sample=False, images=(((0,), None),))
-    core = SimpleNamespace(engine=SimpleNamespace(step=lambda plan: plan.step_id))
+    core = SimpleNamespace(executor=SimpleNamespace(step=lambda plan: plan.step_id))
     plans = [StepPlan(1, (), (PassSlice(7, 0, 3, (image_member,)), PassSlice(8, 0, 6, (member,)))),
              StepPlan(2, (), (PassSlice(7, 3, 6, (image_member,)),)),
              StepPlan(3, (), (PassSlice(9, 0, 6, (image_member,)),))]
     with bench.watch_image_passes(core) as slices:
-        assert [core.engine.step(p) for p in plans] == [1, 2, 3]  # the engine still runs every plan
+        assert [core.executor.step(p) for p in plans] == [1, 2, 3]  # the engine still runs every plan
     assert slices == {7: 2, 9: 1}
-    assert core.engine.step(plans[0]) == 1 and slices == {7: 2, 9: 1}  # unhooked on exit
+    assert core.executor.step(plans[0]) == 1 and slices == {7: 2, 9: 1}  # unhooked on exit
 
 
 def test_bench_end_to_end(random_ckpt, capsys):

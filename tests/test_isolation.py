@@ -37,7 +37,7 @@ class FailsWith(FakeEngine):
 
 
 def _engine(poisoned=(), transient=0):
-    return type("Engine", (FailsWith,), {"poisoned": set(poisoned), "transient": transient})
+    return type("Executor", (FailsWith,), {"poisoned": set(poisoned), "transient": transient})
 
 
 def _requests(core, n: int):
@@ -64,7 +64,7 @@ def test_a_poisoned_request_fails_alone_and_the_rest_equal_solo(mode):
     st = core.scheduler.stats
     # bisection: the culprit is found in about log2(16) + 1 failed probes, not 16 solo re-runs
     assert 2 <= st["step_failures"] <= math.ceil(math.log2(16)) + 2
-    first_failed = next(p for p in core.engine.plans if "req-11" in p.request_ids)
+    first_failed = next(p for p in core.executor.plans if "req-11" in p.request_ids)
     assert st["isolated_failures"] == 1 and st["recomputed_after_failure"] >= len(first_failed.request_ids) - 1
     assert len(first_failed.request_ids) >= 4  # the fault really hit a shared step
     assert not core.scheduler.quarantine and core.leaks() == ""
@@ -74,7 +74,7 @@ def test_probe_steps_never_mix_suspects_with_others():
     core = make_core(engine=_engine(poisoned={"req-3"}), max_seqs=8)
     _requests(core, 8)
     core.run_until_idle()
-    failed = [p for p in core.engine.plans if p.request_ids & {"req-3"}]
+    failed = [p for p in core.executor.plans if p.request_ids & {"req-3"}]
     # after the first failure, the culprit only ever runs with fellow suspects: each failing step is
     # at most half the size of the one before, down to the culprit alone
     sizes = [len(p.request_ids) for p in failed]

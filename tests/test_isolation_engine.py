@@ -164,7 +164,7 @@ def test_an_engine_exception_inside_a_pass_slice(llms, work, monkeypatch, persis
     items, solo = work
     core = llms["batch"].core
     bad = _first_image(items)
-    engine = core.engine
+    engine = core.executor
     real_advance, real_merged = engine._advance, engine._merged_forward
     hits = []
     target: dict = {}

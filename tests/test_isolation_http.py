@@ -44,7 +44,7 @@ def test_image_prompts_around_the_staging_size_beside_a_decoding_stream():
 
     tok = Tokenizer(BUNDLED)
     with serve(BUNDLED, settings={"max_seqs": 8, "max_model_len": 2048}, random_weights=False) as srv:
-        texts = _texts_by_length(srv.engine.core, tok, range(1020, 1061))
+        texts = _texts_by_length(srv.loop.core, tok, range(1020, 1061))
         assert len(texts) >= 35 and all(n in texts for n in range(1026, 1040)), sorted(texts)
         client = OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
         stop = threading.Event()
@@ -73,4 +73,4 @@ def test_image_prompts_around_the_staging_size_beside_a_decoding_stream():
             stop.set()
             thread.join(timeout=120)
         assert streams and all(finish == "length" for _, finish in streams), streams
-        assert srv.engine.call(lambda core: core.leaks()) == ""
+        assert srv.loop.call(lambda core: core.leaks()) == ""

@@ -121,7 +121,7 @@ class TestDrafter:
 
 
 def install(llm: LLM, **kw) -> TestDrafter:
-    drafts = llm.core.engine.drafts
+    drafts = llm.core.executor.drafts
     wrapper = TestDrafter(drafts.model, **kw)
     wrapper.drafts = drafts
     drafts.model = wrapper
@@ -379,7 +379,7 @@ def test_sampled_outputs_follow_the_target_distribution(checkpoints, kind, spec)
     law = TargetLaw(plain, TEMPERATURE)
     for mode in ("coupled", "rejection"):
         drafted = make(checkpoints[kind], {**spec, "draft_share": 1.0, "acceptance": mode}, **WIDE)
-        assert drafted.core.engine.drafts.rejection == (mode == "rejection")
+        assert drafted.core.executor.drafts.rejection == (mode == "rejection")
         install(drafted, oracle=dense_oracle(law, vocab, len(PROMPT) + 2))
         on = run(drafted, [PROMPT] * SAMPLES, params)
         figures = dict(drafted.core.stats.speculation)

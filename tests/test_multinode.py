@@ -27,7 +27,7 @@ import pytest
 
 from ds4serve.cli import main
 from ds4serve.config import ConfigError
-from ds4serve.runtime.parallel import ParallelSettings
+from ds4serve.runtime.tp_group import ParallelSettings
 from ds4serve.runtime.rendezvous import NodeLinks, RankZeroLink, agreement, open_store, resolve, topology
 from ds4serve.tiny.random_model import BUNDLED
 from image_helpers import image_url
@@ -91,7 +91,7 @@ def test_two_nodes_answer_as_one_process_and_node_1_exits_with_node_0(one_proces
     node1 = _node1(port)
     try:
         with serve(BUNDLED, random_weights=False, settings=SETTINGS, parallel=_node0(port)) as srv:
-            assert srv.engine.core.parallel.links.links.keys() == {1}  # the group really spans the other process
+            assert srv.loop.core.parallel.links.links.keys() == {1}  # the group really spans the other process
             got = _eight(srv)
         out, _ = node1.communicate(timeout=60)
     finally:
@@ -117,7 +117,7 @@ def test_a_killed_node_stops_the_serving_node_with_a_clear_error(caplog):
             assert _ask(client, 0)[0] == "12"
             with caplog.at_level(logging.CRITICAL, logger="ds4serve"):
                 node1.send_signal(signal.SIGKILL)
-                _wait_for("node 0 stopping after node 1 died", lambda: not srv.engine.alive, 2 * TIMEOUT_S)
+                _wait_for("node 0 stopping after node 1 died", lambda: not srv.loop.alive, 2 * TIMEOUT_S)
                 with pytest.raises(openai.APIError) as err:
                     _ask(client, 0)
                 assert not isinstance(err.value, openai.APITimeoutError), "the request hung until the client gave up"

@@ -2,7 +2,7 @@
 
 Built with ``DS4SERVE_NATIVE_CHECK=1`` (``-DDS4_CHECK``), the host forward checks every index it
 gathers or scatters with against the size of the ring, pool, snapshot arena or table it indexes (the
-sizes come with the descriptors, ``host_decode._Layer``), and stops with the index's name, value and
+sizes come with the descriptors, ``host_forward._Layer``), and stops with the index's name, value and
 range. Each test runs in a fresh process (the build is chosen when the library is first loaded, and a
 failed check aborts the process).
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ds4serve.model import host_decode
+from ds4serve.model import host_forward
 from ds4serve.tiny.random_model import BUNDLED
 
 HERE = Path(__file__).resolve().parent
-pytestmark = [pytest.mark.skipif(host_decode.library() is None, reason="no C compiler: no native forward here"),
+pytestmark = [pytest.mark.skipif(host_forward.library() is None, reason="no C compiler: no native forward here"),
               pytest.mark.skipif(not (BUNDLED / "model.safetensors").exists(), reason="bundled model not present")]
 
 

@@ -138,7 +138,7 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     with caplog.at_level("INFO", logger="ds4serve.runtime.assemble"):
         core = load_core(d, settings=settings, packed_experts="auto")
     try:
-        stacks = [layer.mlp.experts.gate_up_proj for layer in core.engine.model.model.layers]
+        stacks = [layer.mlp.experts.gate_up_proj for layer in core.executor.model.model.layers]
         assert all(isinstance(s, PackedExperts) for s in stacks)
         assert "routed experts kept packed: the dequantised experts" in caplog.text
     finally:
@@ -146,14 +146,14 @@ def test_serve_packs_by_itself_when_only_packed_experts_fit(ckpt_factory, tmp_pa
     monkeypatch.setattr(capacity, "device_memory", lambda device: 1 << 40)
     core = load_core(d, settings=settings, packed_experts="auto")
     try:
-        assert not any(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)
+        assert not any(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.executor.model.model.layers)
     finally:
         core.close()
     # where the native host forward runs, auto keeps every weight as stored, whatever fits
     with caplog.at_level("INFO", logger="ds4serve.runtime.assemble"):
         core = load_core(d, settings=EngineSettings(max_seqs=1, max_model_len=256), packed_experts="auto")
     try:
-        assert all(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.engine.model.model.layers)
+        assert all(isinstance(layer.mlp.experts.gate_up_proj, PackedExperts) for layer in core.executor.model.model.layers)
         assert "routed experts kept packed: kept as stored (fp4)" in caplog.text
     finally:
         core.close()

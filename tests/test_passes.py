@@ -13,7 +13,7 @@ from model_helpers import random_ids
 def _run(llm, prompt, schedule, decode_steps=6):
     """Prefill ``prompt`` per ``schedule`` (a list of steps; each step a list of (start, n, l0, l1)),
     then greedy-decode; return (tokens, logprob vectors) of every sampled row."""
-    engine, cache = llm.core.engine, llm.core.cache
+    engine, cache = llm.core.executor, llm.core.cache
     slot = cache.alloc_slot()
     state = SamplerState(SamplingParams(temperature=0, logprobs=8), prompt, [])
     got = []
@@ -75,7 +75,7 @@ def test_chunks_mixed_with_slices(llm_factory, host_kernels):
 def test_staging_holds_the_pass_between_steps(llm_factory, host_kernels):
     """While a pass is sliced, other sequences decode in between; the pass result is unaffected."""
     llm = llm_factory("A", max_prefill_tokens=256, host_kernels=host_kernels)
-    engine, cache = llm.core.engine, llm.core.cache
+    engine, cache = llm.core.executor, llm.core.cache
     prompt = random_ids(120, 1000, seed=94)
     alone = _run(llm, prompt, [[(0, 120, 0, 6)]], decode_steps=0)
     other = cache.alloc_slot()

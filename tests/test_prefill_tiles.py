@@ -28,7 +28,7 @@ def _prefill(llm, prompts: list[list[int]], chunk: int) -> torch.Tensor:
             pieces = [prompts[i][start:start + chunk] for i, _ in live]
             for (i, s), piece in zip(live, pieces):
                 assert cache.reserve({s: start + len(piece)})
-            logits = llm.runner.forward([SeqChunk(s, start, piece, cache.block_table(s))
+            logits = llm.reference.forward([SeqChunk(s, start, piece, cache.block_table(s))
                                          for (_, s), piece in zip(live, pieces)], all_logits=True)
             offset = 0
             for (i, _), piece in zip(live, pieces):

@@ -87,18 +87,18 @@ def test_scored_beside_decoders_and_outputs_unchanged(llm_factory, host_kernels,
     plain = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for _ in prompts]
     scoring = [dataclasses.replace(p, prompt_logprobs=TOP) if i % 2 else p for i, p in enumerate(plain)]
     slices = []
-    step = llm.core.engine.step
+    step = llm.core.executor.step
 
     def spy(plan):
         slices.extend(p.layer_stop - p.layer_start for p in plan.passes)
         return step(plan)
 
-    llm.core.engine.step = spy
+    llm.core.executor.step = spy
     try:
         base, none, _ = _run(llm, prompts, plain)
         reqs, scored, _ = _run(llm, prompts, scoring)
     finally:
-        llm.core.engine.step = step
+        llm.core.executor.step = step
     assert not none and set(scored) == {reqs[1].request_id, reqs[3].request_id}
     assert [r.output_ids for r in reqs] == [r.output_ids for r in base]
     if mode == "layers":
@@ -166,7 +166,7 @@ def test_non_finite_prompt_logits_fail_that_request_alone(llm_factory, monkeypat
     """Rows whose logits are not finite fail the scoring request alone (an error, never a NaN answer);
     a plain request in the same steps finishes normally and nothing leaks."""
     llm = llm_factory("A", max_seqs=2, max_prefill_tokens=16, step_tokens=16, min_prefill_tokens=8)
-    engine = llm.core.engine
+    engine = llm.core.executor
     real = engine.head
 
     def head(streams):  # NaN logits for blocks with more than one row: prompt scoring, never a sampled row here

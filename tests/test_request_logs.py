@@ -189,7 +189,7 @@ def test_client_disconnects_are_logged_and_counted_as_cancellations(srv, access)
     name = "ds4serve_cancellations_total"
     assert _value(after, name, reason="client_disconnect") - _value(before, name, reason="client_disconnect") == 2
     assert _value(after, "ds4serve_error_responses_total", status="499") == 0  # nobody was answered
-    assert srv.engine.call(lambda core: core.leaks()) == ""
+    assert srv.loop.call(lambda core: core.leaks()) == ""
 
 
 def test_every_series_has_model_name_and_engine_gauges_are_plausible(srv):

@@ -379,4 +379,4 @@ def test_the_deadline_mid_stream_is_an_error_event_then_response_failed():
         err = error_of(srv, {"model": "tiny", **body}, 504)
         assert err["code"] == "timeout"
         assert httpx.get(srv.base + "/health", timeout=30).json() == {"status": "ok"}
-        assert srv.engine.call(lambda core: core.leaks()) == ""  # both cancelled requests let go of everything
+        assert srv.loop.call(lambda core: core.leaks()) == ""  # both cancelled requests let go of everything

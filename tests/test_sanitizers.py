@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["tests/test_host_decode.py", "tests/test_host_packed.py", "tests/test_native_kernels.py",
+FILES = ["tests/test_host_forward.py", "tests/test_host_packed.py", "tests/test_native_kernels.py",
          "tests/test_native_view.py"]
 
 

@@ -135,7 +135,7 @@ def test_hostile_requests_while_a_healthy_stream_runs(limited):
     assert healthy["status"] == 200
     final = json.loads(healthy["lines"][-2][len("data: "):])
     assert healthy["lines"][-1] == "data: [DONE]" and final["choices"][0]["finish_reason"] == "length"
-    assert limited.engine.call(lambda core: core.leaks()) == ""
+    assert limited.loop.call(lambda core: core.leaks()) == ""
 
 
 def test_api_key(random_ckpt):

@@ -36,7 +36,7 @@ async def _stream(client: httpx.AsyncClient, base: str, max_tokens: int, leave_a
 
 
 def _running_and_steps(srv):
-    return srv.engine.call(lambda core: (len(core.scheduler.running), core.stats.steps))
+    return srv.loop.call(lambda core: (len(core.scheduler.running), core.stats.steps))
 
 
 async def _until(what: str, happened, within_s: float = 60.0) -> None:
@@ -62,7 +62,7 @@ def test_32_streams_with_8_disconnects(server, monkeypatch):
     so it gets only a generous wall-clock bound (an earlier version counted steps from the client's
     close and failed in CI when that detection took two 5 ms steps)."""
     cancelled_before = _cancellations(server)
-    engine, steps = server.engine, lambda: server.engine.stats.steps
+    engine, steps = server.loop, lambda: server.loop.stats.steps
     posted: dict[str, int] = {}
     applied: dict[str, int] = {}
     post, apply = engine.abort, engine.core.abort
@@ -95,7 +95,7 @@ def test_32_streams_with_8_disconnects(server, monkeypatch):
     late = {rid: applied[rid] - posted[rid] for rid in posted if applied[rid] - posted[rid] > 1}
     assert not late, f"aborts applied only after this many further steps: {late}"
     assert all(reason == "length" for _, reason in results), results
-    assert server.engine.call(lambda core: core.leaks()) == ""
+    assert server.loop.call(lambda core: core.leaks()) == ""
     metrics = httpx.get(server.base + "/metrics").text
     assert 'ds4serve_slots_in_use{model_name="tiny"} 0.0' in metrics
     assert _cancellations(server) - cancelled_before == 8  # each leaver counted once, no stayer
@@ -127,7 +127,7 @@ def test_request_timeout(random_ckpt):
                           timeout=60) as s:
             lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
         assert '"code": "timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
-        assert srv.engine.call(lambda core: core.leaks()) == ""
+        assert srv.loop.call(lambda core: core.leaks()) == ""
 
 
 def test_keepalive_comments_during_long_waits(random_ckpt):
@@ -159,8 +159,8 @@ def test_graceful_shutdown_answers_waiting_clients(random_ckpt):
                         for _ in range(5)]
                 tasks = [asyncio.create_task(j) for j in jobs]
                 await _until("all five requests reaching the engine",
-                             lambda: srv.engine.call(lambda core: len(core.scheduler.requests)) == 5)
-                srv.engine.begin_shutdown("the server is shutting down")
+                             lambda: srv.loop.call(lambda core: len(core.scheduler.requests)) == 5)
+                srv.loop.begin_shutdown("the server is shutting down")
                 return await asyncio.gather(*tasks)
 
         responses = asyncio.run(main())

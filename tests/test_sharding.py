@@ -16,7 +16,7 @@ from ds4serve.cache import StateLayout
 from ds4serve.cache.manager import CacheManager
 from ds4serve.cache.prefix_keys import PrefixKeys
 from ds4serve.config import ConfigError, ModelConfig
-from ds4serve.engine.parallel import CallRecorder, Mirrored, Replayer
+from ds4serve.engine.parallel_executor import CallRecorder, Mirrored, Replayer
 from ds4serve.model import load_model
 from ds4serve.model.packed import PackedExperts
 from ds4serve.model.sharding import ShardPlan

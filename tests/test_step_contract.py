@@ -128,7 +128,7 @@ def test_fake_engine_serves_everything(mode):
         assert r.status is RequestStatus.FINISHED_LENGTH
         assert r.output_ids == expected_tokens(r.request_id, len(r.prompt_ids), r.params.max_tokens)
     assert core.leaks() == ""
-    plans = core.engine.plans
+    plans = core.executor.plans
     assert all(validate_plan(p, 4) == "" for p in plans)
     if mode == "layers":
         assert any(p.layer_stop - p.layer_start < 4 for plan in plans for p in plan.passes), "no layer slicing"
@@ -142,7 +142,7 @@ def test_every_decoder_planned_exactly_once_per_step():
     while core.has_work:
         decoding = {r.slot for r in core.scheduler.running if r.status is RequestStatus.DECODING}
         core.step()
-        plan = core.engine.plans[-1]
+        plan = core.executor.plans[-1]
         assert {d.slot for d in plan.decodes} == decoding
         seen_decoding |= decoding
     assert len(seen_decoding) >= 2
@@ -174,7 +174,7 @@ def test_validator_accepts_honest_results_and_names_problems():
     core = make_core()
     core.add(core.make_request(RequestSpec([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))))
     plan = core.scheduler.schedule()
-    res = core.engine.step(plan)
+    res = core.executor.step(plan)
     assert validate_step_result(plan, res, 4) == ""
     wrong_id = dataclasses.replace(res, step_id=res.step_id + 1)
     assert "answers plan" in validate_step_result(plan, wrong_id, 4)
@@ -199,13 +199,13 @@ def test_abort_at_any_point_frees_before_next_step():
     assert core.leaks() == ""  # slots and pages are free now; the emptied pass is being retired
     assert core.has_work  # ... by the next plan, which carries only that retirement
     core.step()
-    assert core.engine.plans[-1].retired and core.engine.plans[-1].is_empty is False
-    assert core.engine.active_passes == set() and not core.has_work
-    before = len(core.engine.plans)
+    assert core.executor.plans[-1].retired and core.executor.plans[-1].is_empty is False
+    assert core.executor.active_passes == set() and not core.has_work
+    before = len(core.executor.plans)
     late = core.make_request(RequestSpec([5, 6, 7], SamplingParams(max_tokens=2, temperature=0)))
     core.add(late)
     core.step()
-    for plan in core.engine.plans[before:]:
+    for plan in core.executor.plans[before:]:
         assert not plan.request_ids & set(victims)
     core.run_until_idle()
     assert late.status is RequestStatus.FINISHED_LENGTH

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from ds4serve.runtime.parallel import ParallelSettings
+from ds4serve.runtime.tp_group import ParallelSettings
 from ds4serve.tiny.random_model import BUNDLED
 from server_harness import serve
 from tp_faults import MAGIC
@@ -75,7 +75,7 @@ def test_a_rank_that_raises_fails_the_step_everywhere_and_the_server_goes_on(cap
         assert err.value.status_code >= 500
         assert any("failed on another tensor-parallel rank" in r.getMessage() for r in caplog.records)
         assert _ask(client, 0)[0] == "12" and _ask(client, 1)[0] == "green"  # both ranks still agree
-        assert srv.engine.call(lambda core: core.leaks()) == ""
+        assert srv.loop.call(lambda core: core.leaks()) == ""
 
 
 # The collective timeout of the lost-rank test: how long a step waits for a hung rank. It must stay far
@@ -105,7 +105,7 @@ def test_a_lost_rank_stops_the_server_with_a_clear_error(how, caplog):
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0,
                                timeout=4 * LOST_RANK_TIMEOUT_S)
         assert _ask(client, 0)[0] == "12"
-        worker = srv.engine.core.parallel.workers[0]
+        worker = srv.loop.core.parallel.workers[0]
 
         def logged() -> str:
             return " ".join(r.getMessage() for r in caplog.records)
@@ -114,12 +114,12 @@ def test_a_lost_rank_stops_the_server_with_a_clear_error(how, caplog):
             os.kill(worker.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
             try:
                 if how == "dies":
-                    _wait_for("the watchdog stopping the server", lambda: not srv.engine.alive,
+                    _wait_for("the watchdog stopping the server", lambda: not srv.loop.alive,
                               4 * LOST_RANK_TIMEOUT_S)
                 with pytest.raises(openai.APIError) as err:
                     _ask(client, 0)
                 assert not isinstance(err.value, openai.APITimeoutError), "the request hung until the client gave up"
-                _wait_for("the server stopping", lambda: not srv.engine.alive, 4 * LOST_RANK_TIMEOUT_S)
+                _wait_for("the server stopping", lambda: not srv.loop.alive, 4 * LOST_RANK_TIMEOUT_S)
                 if how == "dies":
                     assert f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9" in logged(), logged()
                 else:

@@ -145,8 +145,8 @@ class _PassWatcher:
     ``abort_image`` requests carry a unique ``seed`` (greedy answers ignore it), so a client can hang up
     exactly while its own images are in a pass rather than hoping a timer lands there."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, loop):
+        self.loop = loop
         self.in_pass: set[int] = set()
         self.changed = asyncio.Event()
 
@@ -156,7 +156,7 @@ class _PassWatcher:
 
     async def run(self) -> None:
         while True:
-            self.in_pass = await asyncio.to_thread(self.engine.call, self._probe)
+            self.in_pass = await asyncio.to_thread(self.loop.call, self._probe)
             self.changed.set()
             self.changed = asyncio.Event()
             await asyncio.sleep(0.003)
@@ -249,11 +249,11 @@ async def _send(client, base: str, table, p: Planned, timeout_s: float, watcher:
     return await _stream(client, url, _body(table, p, True), p, timeout_s, watcher)
 
 
-async def _storm(base: str, table, plan: list[Planned], timeout_s: float, engine=None) -> list[Outcome]:
+async def _storm(base: str, table, plan: list[Planned], timeout_s: float, loop=None) -> list[Outcome]:
     # every request on its own connection, like many separate users: reusing idle keep-alive connections
     # races the server closing them (a client-side ReadError that says nothing about the server)
     limits = httpx.Limits(max_connections=len(plan) + 8, max_keepalive_connections=0)
-    watcher = _PassWatcher(engine) if engine is not None else None
+    watcher = _PassWatcher(loop) if loop is not None else None
     polling = asyncio.ensure_future(watcher.run()) if watcher else None
     try:
         async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -274,10 +274,10 @@ async def _solo(base: str, table) -> list[str]:
         return out
 
 
-def _wait_idle(engine, timeout_s: float = 60) -> None:
+def _wait_idle(loop, timeout_s: float = 60) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if not engine.call(lambda core: core.has_work):
+        if not loop.call(lambda core: core.has_work):
             return
         time.sleep(0.05)
 
@@ -288,10 +288,10 @@ def run_chaos(srv, seed: int, n: int, log_path: Path | None = None, spread_s: fl
     t0 = time.time()
     table = prompt_table()
     solo = asyncio.run(_solo(srv.base, table))
-    before = srv.engine.call(lambda core: dict(core.scheduler.stats))
+    before = srv.loop.call(lambda core: dict(core.scheduler.stats))
     plan = make_plan(seed, n, table, spread_s if spread_s is not None else n / 40, mix)
-    outcomes = asyncio.run(_storm(srv.base, table, plan, timeout_s, srv.engine))
-    _wait_idle(srv.engine)
+    outcomes = asyncio.run(_storm(srv.base, table, plan, timeout_s, srv.loop))
+    _wait_idle(srv.loop)
     problems = []
     for p, o in zip(plan, outcomes):
         if o.status == "completed" and o.text != solo[p.prompt]:
@@ -301,12 +301,12 @@ def run_chaos(srv, seed: int, n: int, log_path: Path | None = None, spread_s: fl
     health = httpx.get(srv.base + "/health", timeout=10)
     if health.status_code != 200:
         problems.append(f"server not alive after the storm: /health {health.status_code}")
-    stats = srv.engine.call(lambda core: dict(core.scheduler.stats))
+    stats = srv.loop.call(lambda core: dict(core.scheduler.stats))
     delta = {k: stats[k] - before.get(k, 0) for k in stats}
     if delta["added"] != delta["completed"] + delta["aborted"] + delta["failed"]:
         problems.append(f"counters do not add up: added {delta['added']} != completed {delta['completed']} + "
                         f"aborted {delta['aborted']} + failed {delta['failed']}")
-    leaks = srv.engine.call(lambda core: core.leaks())
+    leaks = srv.loop.call(lambda core: core.leaks())
     if leaks:
         problems.append(f"leaks: {leaks}")
     counts = dict(Counter(o.status for o in outcomes))

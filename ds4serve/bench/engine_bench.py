@@ -169,8 +169,8 @@ class _Ours:
         core.run_until_idle()
         products = [(e.name, e.input_shapes) for e in prof.events()
                     if e.name in _PRODUCTS and _flops(e.name, e.input_shapes) >= 100_000]
-        runner = core.engine.decode
-        return {"streams": n, "step_ms": 1000 * wall, "forward_ms": forward, "native": core.engine.host is not None,
+        runner = core.executor.decode
+        return {"streams": n, "step_ms": 1000 * wall, "forward_ms": forward, "native": core.executor.host is not None,
                 "torch_calls": calls, "products": len(products),
                 "products_ms": 1000 * _replay(products, self.device), "decode_graphs": runner.mode,
                 "graph_captures": runner.stats["captures"], "graph_replays": runner.stats["replays"],
@@ -181,7 +181,7 @@ class _Ours:
         steps (each forward lies inside its step, so the second median never exceeds the first): the
         rest of a step is view building, the LM head, sampling and scheduling."""
         core = self.llm.core
-        engine, spent, times = core.engine, [], []
+        engine, spent, times = core.executor, [], []
         forward = engine._forward
 
         def timed(view, *rest):

@@ -79,7 +79,7 @@ def watch_image_passes(core) -> Iterator[dict[int, int]]:
     """Count the steps each image pass takes (pass id -> slices), by watching the plans the engine
     runs: the proof that a run was really sliced, or really whole."""
     slices: dict[int, int] = {}
-    step_fn = core.engine.step
+    step_fn = core.executor.step
 
     def spy(plan):
         for p in plan.passes:
@@ -87,11 +87,11 @@ def watch_image_passes(core) -> Iterator[dict[int, int]]:
                 slices[p.pass_id] = slices.get(p.pass_id, 0) + 1
         return step_fn(plan)
 
-    core.engine.step = spy
+    core.executor.step = spy
     try:
         yield slices
     finally:
-        core.engine.step = step_fn
+        core.executor.step = step_fn
 
 
 class _Clock:

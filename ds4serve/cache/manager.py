@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class HostSnapshot:
+class SuspendedSeq:
     """A suspended sequence's state on the host."""
 
     n_tokens: int  # positions [0, n_tokens) are in the state
@@ -162,13 +162,13 @@ class CacheManager:
     def snapshot_bytes(self, slot: int) -> int:
         return self.layout.bytes_per_slot() + self.state.pages.owned(slot) * self.layout.bytes_per_page()
 
-    def suspend(self, slot: int, n_tokens: int) -> HostSnapshot | None:
+    def suspend(self, slot: int, n_tokens: int) -> SuspendedSeq | None:
         """Copy ``slot`` to host and free it; ``None`` (nothing changed) if the host budget is short."""
         self.check(slot)
         size = self.snapshot_bytes(slot)
         if self.host_used + size > self.host_budget:
             return None
-        snap = HostSnapshot(n_tokens=n_tokens, n_pages=self.state.pages.owned(slot), nbytes=size)
+        snap = SuspendedSeq(n_tokens=n_tokens, n_pages=self.state.pages.owned(slot), nbytes=size)
         rows = self._ring_rows(slot)
         pool_idx = self._pool_rows(slot)
         for li, st in enumerate(self.state.layers):
@@ -180,7 +180,7 @@ class CacheManager:
         self.drop(slot)
         return snap
 
-    def restore(self, snap: HostSnapshot) -> SlotHandle | None:
+    def restore(self, snap: SuspendedSeq) -> SlotHandle | None:
         """Bring a snapshot back into a free slot with fresh pages; ``None`` if either is short."""
         if not self._free_slots or not self.make_room(snap.n_pages):
             return None
@@ -196,10 +196,10 @@ class CacheManager:
                 getattr(st, n)[rows[n][li]] = t.to(st.swa.device)
             for n, t in snap.pools[li].items():
                 getattr(st, n)[pool_idx[li]] = t.to(st.swa.device)
-        self.release_snapshot(snap)
+        self.release_suspended(snap)
         return slot
 
-    def release_snapshot(self, snap: HostSnapshot) -> None:
+    def release_suspended(self, snap: SuspendedSeq) -> None:
         self.host_used -= snap.nbytes
         snap.rings, snap.pools, snap.nbytes = [], [], 0
 

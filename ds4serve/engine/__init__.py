@@ -1,5 +1,5 @@
-"""Mechanism: executes step plans over the model and its state."""
+"""Mechanism: executes step plans over the model and its state (``executor.Executor``)."""
 
-from .runner import ModelRunner
+from .executor import Executor
 
-__all__ = ["ModelRunner"]
+__all__ = ["Executor"]

@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..environment import openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
-from ..model.host_decode import HostDecoder, description as host_build
+from ..model.host_forward import HostForward, description as host_build
 from .capture import CapturePlan
 from .decode_graphs import DecodeRunner, resolve_mode
 from .drafted import Verified, draftable, row_states, settle
@@ -100,7 +100,7 @@ def _warn_spin_once() -> None:
         log.warning(advice)
 
 
-class Engine:
+class Executor:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
                  sample: bool = True, host_kernels: str = "off"):
         """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
@@ -116,7 +116,7 @@ class Engine:
         state = cache.state
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
-        self.host = self._host_decoder(host_kernels)
+        self.host = self._host_forward(host_kernels)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
 
@@ -125,10 +125,10 @@ class Engine:
         against their own ``q`` (decode graphs are not used with it: their fixed forward has no split)."""
         self.drafts, self.capture = drafts, drafts.plan
 
-    def _host_decoder(self, mode: str) -> HostDecoder | None:
+    def _host_forward(self, mode: str) -> HostForward | None:
         if mode == "off" or self.model is None:
             return None
-        host, why = HostDecoder.create(self.cfg, self.model, self.cache.state.layers)
+        host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers)
         if host is None:
             if mode == "on":
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
@@ -282,10 +282,11 @@ class Engine:
             raise StepError("drafts need the sampling rank's verification; this engine does not sample")
         saved = SavedRings(self.cache.state, spans) if spans else None
         view = self._view(chunks)
-        graphs = self.decode.enabled and not whole and not spans and view.is_image is None and self.drafts is None
+        capturing = self._captures(decodes, whole)
+        graphs = self.decode.enabled and not whole and not spans and view.is_image is None and not capturing
         streams = self.decode.run(view, len(chunks)) if graphs else None
         if streams is None:
-            into: dict[int, torch.Tensor] | None = {} if self.drafts is not None else None
+            into: dict[int, torch.Tensor] | None = {} if capturing else None
             streams = self._forward(view, into)
             if into is not None:
                 fed.add([(c, d.request_id) for c, d in zip(chunks, decodes)]
@@ -299,6 +300,16 @@ class Engine:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
             owners.extend(w for w in want if w is not None)
         return saved
+
+    def _captures(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice]) -> bool:
+        """Whether this step's merged forward splits for a checkpoint drafter's captures: when a prompt
+        chunk runs (the drafter's context) or a decoder follows, drafts or proposes (``DecodeRow.follow``).
+        Otherwise the forward is a plain one: a step where the policy turned drafting off for everyone
+        costs what it costs without a drafter (the rows it skips are positions the drafter's rings then
+        lack; ``ModelDrafts`` drafts again only once they are whole)."""
+        if self.drafts is None:
+            return False
+        return bool(whole) or any(d.follow or d.propose or d.draft for d in decodes)
 
     def _view(self, chunks):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,

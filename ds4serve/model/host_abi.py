@@ -1,7 +1,7 @@
 """The native host forward's binary interface: ctypes mirrors of the C descriptors (``csrc/host.h``) and
 the check, at bind time, that both sides still agree (``ds4_abi``: struct sizes and fixed limits by name).
 
-Split from ``host_decode.py`` so the layout of the descriptors is one page: a field added to a C struct
+Split from ``host_forward.py`` so the layout of the descriptors is one page: a field added to a C struct
 is added here in the same place, and ``abi()`` refuses a library where the two drifted apart.
 """
 
@@ -103,6 +103,6 @@ def abi(lib: ctypes.CDLL) -> dict[str, int]:
                                                                     "MAX_CAPTURES": MAX_CAPTURES}
     wrong = [f"{n}: C {abi.get(n)} vs Python {v}" for n, v in mirrors.items() if abi.get(n) != v]
     if wrong:
-        raise RuntimeError("the host forward's C structs or limits do not match host_decode.py's mirrors ("
+        raise RuntimeError("the host forward's C structs or limits do not match host_forward.py's mirrors ("
                            + "; ".join(wrong) + "): the C and the Python were changed apart")
     return abi

@@ -12,7 +12,7 @@ to the sequence, not to a head. So under tensor parallel (TP) over ``world`` ran
 * everything per sequence or per token stays replicated: ``kv_proj``, the compressors and indexers,
   norms, mHC, embeddings, the router and the LM head. Every rank computes them and keeps the same
   KV / compressed state, so no collective is needed for state, and each rank's cache bookkeeping
-  matches rank 0's exactly (``engine.parallel`` relies on that).
+  matches rank 0's exactly (``engine.parallel_executor`` relies on that).
 
 Two all-reduces per layer (after attention, after the MoE) add the partial sums; ``reduce`` is that
 collective, given by the caller, so this module knows nothing of process groups.

@@ -26,7 +26,7 @@ from ..cache.manager import CacheManager
 from ..config import ConfigError, ModelConfig
 from ..engine.decode_graphs import MODES as DECODE_GRAPH_MODES
 from ..engine.encoder import EncoderWorker
-from ..engine.executor import Engine
+from ..engine.executor import Executor
 from ..model import DS4ForCausalLM, load_model, parse_dtype
 from ..model.loader import fp8_block_size
 from ..model.weights import stored_bytes
@@ -35,7 +35,7 @@ from ..settings import EngineSettings
 from .calibrate import calibrate
 from .capacity import check_fits, choose_packed_experts, choose_stored_weights
 from .core import EngineCore
-from .parallel import ParallelGroup, ParallelSettings, start_group
+from .tp_group import ParallelGroup, ParallelSettings, start_group
 from .parts import EngineParts
 from .sizing import Resolved, resolve
 from .speculation import draft_policy
@@ -44,7 +44,7 @@ from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[ModelConfig, "DS4ForCausalLM | None", CacheManager], Engine]
+ExecutorFactory = Callable[[ModelConfig, "DS4ForCausalLM | None", CacheManager], Executor]
 
 
 def check_decode_graphs(mode: str) -> None:
@@ -56,12 +56,12 @@ def check_decode_graphs(mode: str) -> None:
 
 def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings | None = None,
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                  eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None,
+                  eos_ids: Sequence[int] | None = None, engine_factory: ExecutorFactory | None = None,
                   parallel: ParallelGroup | None = None, startup: Mapping[str, float] | None = None,
                   checkpoint: Path | None = None) -> EngineCore:
     """Build the parts, warm them up and calibrate the step budget on them (with ``settings.warmup``;
     a fake engine is never calibrated), then construct the core from the finished parts.
-    ``engine_factory(cfg, model, cache)`` replaces the real ``Engine`` (contract tests use fakes).
+    ``engine_factory(cfg, model, cache)`` replaces the real ``Executor`` (contract tests use fakes).
     ``parallel``: this is rank 0 of a tensor-parallel group (``parallel.py``); ``model`` is its shard.
     ``startup``: seconds of the phases before this one (``load_core``'s load), first in the core's."""
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
     parts = build_parts(cfg, model, s, torch.device(device), dtype, eos_ids, engine_factory, parallel)
     limits = scheduler_limits(cfg, s, parts.resolved)
     drafting = draft_policy(cfg, s.speculative, parts.cache, tensor_parallel=parallel is not None,
-                            checkpoint=checkpoint, model=model, engine=parts.engine)
+                            checkpoint=checkpoint, model=model, executor=parts.executor)
     phases["engine"] = time.perf_counter() - t0
     try:
         if s.warmup:
@@ -89,7 +89,7 @@ def assemble_core(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: Engi
 
 
 def build_parts(cfg: ModelConfig, model: DS4ForCausalLM | None, settings: EngineSettings, device: torch.device,
-                dtype: torch.dtype, eos_ids: Sequence[int] | None = None, engine_factory: EngineFactory | None = None,
+                dtype: torch.dtype, eos_ids: Sequence[int] | None = None, engine_factory: ExecutorFactory | None = None,
                 parallel: ParallelGroup | None = None) -> EngineParts:
     """Resolve the sizes and allocate every fixed buffer: the cache, the engine, the encoder worker."""
     s = settings
@@ -122,12 +122,12 @@ def scheduler_limits(cfg: ModelConfig, s: EngineSettings, r: Resolved) -> Schedu
 
 
 def _engine(cfg: ModelConfig, model: DS4ForCausalLM | None, cache: CacheManager, s: EngineSettings,
-            device: torch.device, factory: EngineFactory | None) -> Engine:
+            device: torch.device, factory: ExecutorFactory | None) -> Executor:
     if factory is not None:
         return factory(cfg, model, cache)
     if s.decode_graphs == "cuda" and device.type != "cuda":
         raise ConfigError("decode_graphs='cuda' needs a CUDA device")
-    return Engine(cfg, model, cache, decode_graphs=s.decode_graphs, host_kernels=s.host_kernels)
+    return Executor(cfg, model, cache, decode_graphs=s.decode_graphs, host_kernels=s.host_kernels)
 
 
 def _log_sizes(parts: EngineParts, layout: StateLayout) -> None:
@@ -136,7 +136,7 @@ def _log_sizes(parts: EngineParts, layout: StateLayout) -> None:
              "%d tokens x %d layers, prefill chunk <= %d, mode %s, decode graphs %s",
              layout.describe(), r.max_seqs, r.n_pages, r.n_pages * layout.page_tokens, r.max_model_len,
              s.step_tokens, parts.cfg.num_layers, s.max_prefill_tokens, s.prefill_mode,
-             getattr(getattr(parts.engine, "decode", None), "mode", "n/a"))
+             getattr(getattr(parts.executor, "decode", None), "mode", "n/a"))
     full = min(r.max_seqs, r.n_pages // max(1, layout.pages_for(r.max_model_len)))
     log.info("capacity: %d sequences of the full max_model_len (%d tokens) fit at once (%d slots, %d pages); "
              "pass staging holds chunks of up to %d rows", full, r.max_model_len, r.max_seqs, r.n_pages,
@@ -191,4 +191,4 @@ def load_core(model_dir: Path, *, device: str = "cpu", dtype: str = "float32", s
     return core
 
 
-__all__ = ["EngineFactory", "assemble_core", "build_parts", "check_decode_graphs", "load_core", "scheduler_limits"]
+__all__ = ["ExecutorFactory", "assemble_core", "build_parts", "check_decode_graphs", "load_core", "scheduler_limits"]

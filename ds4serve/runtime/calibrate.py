@@ -42,7 +42,7 @@ def _timed(parts: EngineParts, plan: StepPlan, what: str) -> float:
         if sum(times) >= _ENOUGH_S:
             break
         t = time.perf_counter()
-        res = parts.engine.step(plan)
+        res = parts.executor.step(plan)
         if parts.device.type == "cuda":
             torch.cuda.synchronize(parts.device)
         if i:

@@ -277,9 +277,9 @@ def choose_stored_weights(mode: str | bool, dtype: torch.dtype, device: torch.de
         return mode == "on", f"--packed-weights {mode}"
     if device.type != "cpu" or dtype != torch.float32 or tensor_parallel > 1 or host_kernels == "off":
         return False, "the torch path computes on dequantised weights (GPU, non-fp32, tensor parallel or host kernels off)"
-    from ..model import host_decode
+    from ..model import host_forward
 
-    if host_decode.library() is None:
+    if host_forward.library() is None:
         return False, "the native host forward is not available here"
     return True, "the native host forward reads FP8, bf16 and MXFP4 weights as the checkpoint stores them"
 

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 
-from ..engine.parallel import RankFailure
+from ..engine.parallel_executor import RankFailure
 from ..engine.plan import member_problems, validate_plan, validate_step_result
 from ..multimodal.layout import TokenType
 from ..scheduler.admission import FitLimits, fit
@@ -49,7 +49,7 @@ class EngineCore:
         speculative drafter (``runtime/speculation.py``), None for none."""
         self.cfg, self.settings, self.device = parts.cfg, parts.settings, parts.device
         self.resolved: Resolved = parts.resolved
-        self.cache, self.engine, self.encoder = parts.cache, parts.engine, parts.encoder
+        self.cache, self.executor, self.encoder = parts.cache, parts.executor, parts.encoder
         self.parallel, self.eos_ids = parts.parallel, parts.eos_ids
         self.limits = limits
         self.scheduler = Scheduler(limits, self.cache, self.encoder, drafting)
@@ -118,7 +118,7 @@ class EngineCore:
         if refused:  # confined to those members: they fail alone, the rest is planned again
             return self.scheduler.refuse(plan, refused), None
         try:
-            result = self.engine.step(plan)
+            result = self.executor.step(plan)
         except RankFailure as exc:  # a tensor-parallel rank died or hangs: nothing can be agreed any more
             self._break(str(exc))
         problem = validate_step_result(plan, result, self.cfg.num_layers)
@@ -186,7 +186,7 @@ class EngineCore:
             live_slots=sched.live_slots(),
             live_passes={r.pass_id for r in sched.running if r.pass_id is not None} | set(sched.retiring),
             live_encodes={r.request_id for r in holders},
-            snapshot_bytes=sum(r.snapshot.nbytes for r in sched.parked if r.snapshot is not None))
+            snapshot_bytes=sum(r.suspended.nbytes for r in sched.parked if r.suspended is not None))
         held = sum(r.image_bytes for r in holders)
         if self.encoder is not None and held != sched.image_bytes_used:
             problems.append(f"image rows accounted {sched.image_bytes_used} B, held {held} B")

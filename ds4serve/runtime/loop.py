@@ -321,8 +321,8 @@ class EngineLoop:
 class RequestStream:
     """Outputs of one accepted request. Closing it (or dropping it) before the end aborts the request."""
 
-    def __init__(self, engine: EngineLoop, request_id: str, waiter: _Waiter):
-        self.engine, self.request_id, self._waiter = engine, request_id, waiter
+    def __init__(self, loop: EngineLoop, request_id: str, waiter: _Waiter):
+        self.loop, self.request_id, self._waiter = loop, request_id, waiter
         self.finished = False
         self._closed = False
 
@@ -335,7 +335,7 @@ class RequestStream:
         out = await self._waiter.queue.get()
         if out.finished:
             self.finished = True
-            self.engine._forget(self.request_id)
+            self.loop._forget(self.request_id)
         return out
 
     async def aclose(self) -> None:
@@ -346,8 +346,8 @@ class RequestStream:
             return
         self._closed = True
         if not self.finished:
-            self.engine.abort(self.request_id)
-            self.engine._forget(self.request_id)
+            self.loop.abort(self.request_id)
+            self.loop._forget(self.request_id)
 
     def __del__(self) -> None:  # never consumed (e.g. the client vanished before the stream started)
         self._close()

@@ -17,15 +17,15 @@ import torch
 from ..cache.manager import CacheManager
 from ..config import ModelConfig
 from ..engine.encoder import EncoderWorker
-from ..engine.executor import Engine
+from ..engine.executor import Executor
 from ..settings import EngineSettings
-from .parallel import ParallelGroup
+from .tp_group import ParallelGroup
 from .sizing import Resolved
 
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What ``assemble`` built for one core. ``engine`` is a ``ParallelEngine`` (and ``cache`` the
+    """What ``assemble`` built for one core. ``executor`` is a ``ParallelExecutor`` (and ``cache`` the
     mirrored cache) on rank 0 of a tensor-parallel ``parallel`` group."""
 
     cfg: ModelConfig
@@ -33,7 +33,7 @@ class EngineParts:
     device: torch.device
     resolved: Resolved
     cache: CacheManager
-    engine: Engine
+    executor: Executor
     encoder: EncoderWorker | None
     eos_ids: tuple[int, ...]
     parallel: ParallelGroup | None = None
@@ -43,7 +43,7 @@ class EngineParts:
         """What the cache, the engine and the encoder hold beyond what is named live (the defaults:
         nothing is live, as after the warm-up); an empty list when everything is accounted for."""
         problems = [self.cache.leaks(set(live_slots))]
-        stray = self.engine.active_passes - set(live_passes)
+        stray = self.executor.active_passes - set(live_passes)
         if stray:
             problems.append(f"engine passes without requests: {sorted(stray)}")
         if self.encoder is not None:
@@ -62,7 +62,7 @@ class EngineParts:
         if self.encoder is not None:
             self.encoder.shutdown()
         if self.parallel is not None:
-            self.parallel.close(self.engine)
+            self.parallel.close(self.executor)
 
 
 __all__ = ["EngineParts"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..cache.draft_rows import max_draft
 from ..cache.manager import CacheManager
 from ..config import ConfigError, ModelConfig
-from ..engine.checkpoint_drafters import DSparkDrafts, MTPDrafts
+from ..engine.checkpoint_drafters import MTPDrafts, dspark_drafts
 from ..engine.model_drafts import ModelDrafts
 from ..model.checkpoint import Source, checkpoint_files
 from ..model.dspark_weights import detect_drafter, load_dspark
@@ -36,10 +36,10 @@ AUTO_TOKENS = {"dspark": 16, "mtp": 2}
 
 def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: CacheManager,
                  tensor_parallel: bool = False, *, checkpoint: Path | None = None, model=None,
-                 engine=None) -> DraftPolicy | None:
+                 executor=None) -> DraftPolicy | None:
     """The scheduler's drafter for ``spec`` (None: no speculative decoding), or a ConfigError naming what
     this checkpoint or this engine cannot do. A checkpoint drafter needs the ``checkpoint`` folder, the
-    loaded target ``model`` (its embedding and head are shared) and the ``engine`` that runs it."""
+    loaded target ``model`` (its embedding and head are shared) and the ``executor`` that runs it."""
     if spec is None:
         return None
     if spec == "auto":
@@ -57,7 +57,7 @@ def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: 
     if room < 1:
         raise ConfigError("--speculative-config: this model's smallest state ring has no room for a draft")
     if spec.method != "ngram":
-        return _checkpoint_policy(cfg, spec, cache, room, checkpoint, model, engine)
+        return _checkpoint_policy(cfg, spec, cache, room, checkpoint, model, executor)
     k = _fit_k(spec.num_speculative_tokens, room)
     policy = DraftPolicy(k=k, min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max,
                          window=spec.prompt_lookup_window, max_rows=room, vocab_size=cfg.vocab_size,
@@ -83,14 +83,14 @@ def _found_drafter(cfg: ModelConfig, checkpoint: Path | None) -> str | None:
 
 
 def _checkpoint_policy(cfg: ModelConfig, spec: SpeculativeConfig, cache: CacheManager, room: int,
-                       checkpoint: Path | None, model, engine) -> DraftPolicy:
-    """Load the checkpoint's drafter, hand it to the engine, and budget its blocks like n-gram drafts."""
-    if checkpoint is None or model is None or engine is None or not hasattr(engine, "use_drafter"):
+                       checkpoint: Path | None, model, executor) -> DraftPolicy:
+    """Load the checkpoint's drafter, hand it to the executor, and budget its blocks like n-gram drafts."""
+    if checkpoint is None or model is None or executor is None or not hasattr(executor, "use_drafter"):
         raise ConfigError(f"--speculative-config method {spec.method!r} needs a checkpoint loaded with its model "
                           "(this engine has none to draft with)")
     if spec.method == "dspark":
         weights = load_dspark(checkpoint, cfg, device=cache.state.device)
-        drafter = DSparkDrafts(weights, model, cache.n_slots)
+        drafter = dspark_drafts(weights, model, cache.n_slots, getattr(executor, "host", None) is not None)
         what = (f"DSpark: {weights.config.n_stages} stages, blocks of {drafter.block}, target layers "
                 f"{list(weights.config.target_layer_ids)}")
     else:
@@ -100,7 +100,7 @@ def _checkpoint_policy(cfg: ModelConfig, spec: SpeculativeConfig, cache: CacheMa
                               "(mtp.0.e_proj / h_proj tensors)")
         drafter = MTPDrafts(mtp, _fit_k(spec.num_speculative_tokens, room))
         what = f"MTP: {drafter.block} chained steps"
-    engine.use_drafter(ModelDrafts(drafter, spec.acceptance))
+    executor.use_drafter(ModelDrafts(drafter, spec.acceptance))
     k = _fit_k(min(spec.num_speculative_tokens, drafter.block), room)
     log.info("speculative decoding: the checkpoint's %s; up to %d drafted tokens verified a step, exactly; drafts "
              "take at most %.0f%% of a step's calibrated spare rows", what, k, 100 * spec.draft_share)

@@ -62,7 +62,7 @@ def attach_tiers(parts: EngineParts, model: torch.nn.Module | None) -> None:
             log.warning("prefix cache: lower tiers (--prefix-cache-dir, host tier) are single-process only; "
                         "off in this tensor-parallel group")
         return
-    host_forward = getattr(parts.engine, "host", None) is not None
+    host_forward = getattr(parts.executor, "host", None) is not None
     extra = {"device": parts.device.type, "forward": "native-host" if host_forward else "torch"}
     tensors = list(model.state_dict().items()) if model is not None and s.prefix_cache_dir else []
     fp = fingerprint(parts.cache.layout, tensors, extra) if s.prefix_cache_dir else ""  # only files need one

@@ -42,7 +42,7 @@ def warm_up(parts: EngineParts) -> dict[str, float]:
 
 
 def _run(parts: EngineParts, plan: StepPlan, what: str) -> None:
-    res = parts.engine.step(plan)
+    res = parts.executor.step(plan)
     problem = validate_step_result(plan, res, parts.cfg.num_layers)
     if problem:
         raise RuntimeError(f"warm-up {what} failed: {res.error or problem}")
@@ -104,7 +104,7 @@ def check_host(parts: EngineParts) -> None:
     (it reads no ring row, so running it twice is the same forward) and a decode row after it (idempotent:
     it rewrites its own rows), then the LM head. A difference turns the native forward off, loudly
     (with ``host_kernels="on"`` start-up fails): it can make a step faster, never wrong."""
-    engine, cache = parts.engine, parts.cache
+    engine, cache = parts.executor, parts.cache
     host = getattr(engine, "host", None)
     if host is None:
         return

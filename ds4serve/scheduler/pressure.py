@@ -54,12 +54,12 @@ class MemoryPressure:
 
     def _resume(self, req: Request) -> bool:
         if req.status is RequestStatus.SUSPENDED:
-            if self.cache.free_pages < req.snapshot.n_pages + self._watermark():
+            if self.cache.free_pages < req.suspended.n_pages + self._watermark():
                 return False
-            slot = self.cache.restore(req.snapshot)
+            slot = self.cache.restore(req.suspended)
             if slot is None:
                 return False
-            req.snapshot = None
+            req.suspended = None
         else:
             if not self._has_room_for(req):
                 return False
@@ -120,7 +120,7 @@ class MemoryPressure:
         victim.preemptions += 1
         snap = self.cache.suspend(victim.slot, victim.computed)
         if snap is not None:
-            victim.snapshot, victim.status = snap, RequestStatus.SUSPENDED
+            victim.suspended, victim.status = snap, RequestStatus.SUSPENDED
             self.stats["preempt_suspend"] += 1
         elif self.recomputable(victim):
             self.cache.drop(victim.slot)

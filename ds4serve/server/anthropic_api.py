@@ -25,7 +25,7 @@ from .anthropic_convert import chat_request
 from .anthropic_errors import error_body
 from .anthropic_output import BlockWriter, message, sse, stop_reason, usage
 from .anthropic_protocol import CountTokensRequest, MessagesRequest
-from .frames import Event
+from .frames import ChoiceStep
 from .jobs import Job, build_chat, chat_messages, chat_setup_of, prompt_ids
 from .middleware import key_name_of
 from .protocol import APIError
@@ -87,7 +87,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     return {"input_tokens": len(ids)}
 
 
-def _failure(ev: Event) -> APIError:
+def _failure(ev: ChoiceStep) -> APIError:
     status = 503 if "shutting down" in (ev.error or "") else 500
     return APIError(status, f"generation failed: {ev.error}", type_="server_error", code="generation_failed")
 
@@ -132,7 +132,7 @@ class _Stream:
         return [sse({"type": "message_start", "message": message(self.job.request_id, self.model, [], None, None,
                                                                   use)})]
 
-    def event(self, ev: Event) -> list[str]:
+    def event(self, ev: ChoiceStep) -> list[str]:
         frames = self.start(ev.cached)
         if ev.finish_reason == "error":
             return frames + self.error(_failure(ev))

@@ -26,7 +26,7 @@ from typing import Any
 from pydantic_core import from_json
 
 from ..chat import ContentDelta, Event, ReasoningDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
-from .frames import Event as StepEvent
+from .frames import ChoiceStep
 
 Block = dict[str, Any]
 
@@ -102,7 +102,7 @@ class BlockWriter:
         return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
 
 
-def stop_reason(ev: StepEvent) -> tuple[str, str | None]:
+def stop_reason(ev: ChoiceStep) -> tuple[str, str | None]:
     """(``stop_reason``, ``stop_sequence``) of a choice's last event."""
     if ev.finish_reason == "tool_calls":
         return "tool_use", None

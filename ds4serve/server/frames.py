@@ -18,7 +18,7 @@ from .protocol import APIError
 
 
 @dataclass
-class Event:
+class ChoiceStep:
     """One step of one choice: new text, its logprob entries, and the finish reason when done."""
 
     index: int
@@ -59,7 +59,7 @@ class StreamFrames:
         self.completion = [0] * len(job.params)
         self.reasoning = [0] * len(job.params)
 
-    def event(self, ev: Event) -> str | None:
+    def event(self, ev: ChoiceStep) -> str | None:
         """The frame(s) for one event, or None when it carries nothing the client needs."""
         if ev.finish_reason == "error":
             return self.error(f"generation failed: {ev.error}", "generation_failed")
@@ -111,7 +111,7 @@ class Collected:
         self.reasoning = [0] * n
         self.prompt_lps: list[list | None] = [None] * n
 
-    def add(self, ev: Event) -> None:
+    def add(self, ev: ChoiceStep) -> None:
         self.texts[ev.index] += ev.text
         if ev.prompt_logprobs is not None:
             self.prompt_lps[ev.index] = ev.prompt_logprobs
@@ -149,7 +149,7 @@ class Collected:
         return choice
 
 
-def _chat_chunks(job: Job, ev: Event, first: bool) -> list[dict]:
+def _chat_chunks(job: Job, ev: ChoiceStep, first: bool) -> list[dict]:
     """One chunk per delta; the step's logprobs ride on the first, its finish reason on the last."""
     deltas = deltas_of(ev.deltas, first)
     if not deltas and (ev.finish_reason or ev.logprobs):
@@ -164,7 +164,7 @@ def _chat_logprobs(entries: list[dict]) -> dict:
     return {"content": entries, "refusal": None}
 
 
-def _chunk(job: Job, ev: Event) -> dict:
+def _chunk(job: Job, ev: ChoiceStep) -> dict:
     lp = _completion_logprobs(ev.logprobs) if job.logprobs is not None else None
     return {"index": ev.index, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
 

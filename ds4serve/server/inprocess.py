@@ -1,6 +1,6 @@
 """Run a ds4serve HTTP server inside this process (uvicorn in a thread), for tests and chaos runs.
 
-The caller keeps a handle on the engine (``.engine``) so it can probe internal invariants (leaks,
+The caller keeps a handle on the engine loop (``.loop``) so it can probe internal invariants (leaks,
 counters) between or after requests, which an out-of-process server would hide.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from ..runtime import EngineLoop
-from ..runtime.parallel import ParallelSettings
+from ..runtime.tp_group import ParallelSettings
 from ..settings import EngineSettings
 from .app import create_app
 from .launch import build_state
@@ -58,8 +58,8 @@ class RunningServer:
         self.thread.join(timeout=30)
 
     @property
-    def engine(self) -> EngineLoop:
-        """The engine loop (tests probe it with ``engine.call(fn)``)."""
+    def loop(self) -> EngineLoop:
+        """The engine loop (tests probe it with ``loop.call(fn)``)."""
         return self.state.loop
 
 

@@ -18,7 +18,7 @@ import uvicorn
 from ..chat import Tokenizer
 from ..chat.edition import choose_edition
 from ..runtime import EngineLoop, load_core
-from ..runtime.parallel import ParallelSettings
+from ..runtime.tp_group import ParallelSettings
 from ..settings import EngineSettings
 from .app import create_app
 from .limits import ServerLimits

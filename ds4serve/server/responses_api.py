@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from .access_log import record_of
-from .frames import Event
+from .frames import ChoiceStep
 from .jobs import Job, build_chat
 from .middleware import key_name_of
 from .protocol import APIError
@@ -50,7 +50,7 @@ class Run:
         self.final: dict[str, Any] | None = None  # the last response object, once it ended
         self.error: str | None = None  # why it failed, if it did
 
-    def feed(self, ev: Event) -> list[dict[str, Any]]:
+    def feed(self, ev: ChoiceStep) -> list[dict[str, Any]]:
         """The stream events of one engine step (the last ones end the response)."""
         out = [e for d in ev.deltas for e in self.builder.feed(d)]
         if ev.finish_reason is None:

@@ -30,7 +30,7 @@ from ..runtime import FatalStepError, QueueFull, RequestOutput, RequestStream, R
 from . import prompt_echo
 from .access_log import record_of
 from .chat_stream import ChatChoice
-from .frames import Collected, Event, StreamFrames
+from .frames import Collected, ChoiceStep, StreamFrames
 from .jobs import Job
 from .protocol import APIError
 from .state import ServerState
@@ -60,7 +60,7 @@ class ChoiceStream:
         self.job = job
         self.first = True  # the next output is the choice's first: it carries the prompt (echo, prompt_logprobs)
 
-    def feed(self, out: RequestOutput) -> Event:
+    def feed(self, out: RequestOutput) -> ChoiceStep:
         self._observe(out)
         self.completion = out.completion_tokens
         eos = self.state.loop.eos_ids
@@ -78,7 +78,7 @@ class ChoiceStream:
                 finish = "stop"
             if finish is not None:
                 finish = self.chat.finish_reason(finish)
-            return Event(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
+            return ChoiceStep(self.index, "", tuple(out.new_token_ids), lps, finish, out.error,
                          (self.prompt_len, self.completion) if finish else None, deltas, self.completion,
                          self.chat.reasoning_tokens, cached=out.cached_tokens, stop=self.chat.stops.matched,
                          prompt_logprobs=prompt_lps)
@@ -87,7 +87,7 @@ class ChoiceStream:
             finish = "stop"
         elif finish is not None:
             text += self.stops.feed(self.detok.flush()) + self.stops.flush()
-        return Event(self.index, head + text, tuple(out.new_token_ids), head_lps + lps, finish, out.error,
+        return ChoiceStep(self.index, head + text, tuple(out.new_token_ids), head_lps + lps, finish, out.error,
                      (self.prompt_len, self.completion) if finish else None, completion=self.completion,
                      cached=out.cached_tokens, stop=self.stops.matched, prompt_logprobs=prompt_lps)
 
@@ -205,9 +205,9 @@ def mark_cancelled(job: Job, reason: str) -> None:
 
 
 # ---- events ---------------------------------------------------------------------------------
-async def events(state: ServerState, job: Job) -> AsyncIterator[Event]:
+async def events(state: ServerState, job: Job) -> AsyncIterator[ChoiceStep]:
     """Merge every choice's events; aborts whatever is still running when the consumer stops."""
-    queue: asyncio.Queue[Event | None] = asyncio.Queue()
+    queue: asyncio.Queue[ChoiceStep | None] = asyncio.Queue()
     choices = [ChoiceStream(state, idx, spec.prompt_tokens, job) for idx, spec in enumerate(job.specs)]
     tasks = [asyncio.create_task(_pump(state, job, cs, stream, queue)) for cs, stream in zip(choices, job.streams)]
     remaining = len(tasks)
@@ -226,7 +226,7 @@ async def events(state: ServerState, job: Job) -> AsyncIterator[Event]:
 
 
 async def _pump(state: ServerState, job: Job, cs: ChoiceStream, stream: RequestStream,
-                queue: asyncio.Queue[Event | None]) -> None:
+                queue: asyncio.Queue[ChoiceStep | None]) -> None:
     prompt = job.specs[cs.index].prompt_ids
     try:
         async for out in stream:
@@ -237,13 +237,13 @@ async def _pump(state: ServerState, job: Job, cs: ChoiceStream, stream: RequestS
                 state.metrics.e2e.observe(time.monotonic() - job.arrival)
                 break
     except (RequestTooLarge, QueueFull, FatalStepError) as exc:
-        await queue.put(Event(cs.index, "", (), finish_reason="error", error=str(exc), usage=(len(prompt), 0)))
+        await queue.put(ChoiceStep(cs.index, "", (), finish_reason="error", error=str(exc), usage=(len(prompt), 0)))
     finally:
         await stream.aclose()
         await queue.put(None)
 
 
-def _note_event(job: Job, ev: Event) -> None:
+def _note_event(job: Job, ev: ChoiceStep) -> None:
     """Count finished choices and cached prompt tokens; fill the access-log record: first token time,
     finish reason, tokens, cached tokens."""
     job.finished_choices += ev.finish_reason is not None
@@ -262,7 +262,7 @@ def _note_event(job: Job, ev: Event) -> None:
 
 # ---- the two answers ------------------------------------------------------------------------
 async def watched(state: ServerState, job: Job, gone: Gone | None, keepalive: bool = False
-                  ) -> AsyncIterator[Event | Outcome]:
+                  ) -> AsyncIterator[ChoiceStep | Outcome]:
     """The job's events raced against the client and the deadline (``watch.race``), for every answer
     shape: a disconnect or the deadline cancels the job here and is yielded last (DISCONNECT, TIMEOUT);
     with ``keepalive``, KEEPALIVE whenever ``keepalive_s`` passes without an event."""

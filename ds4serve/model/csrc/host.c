@@ -1,4 +1,4 @@
-/* The host forward as one translation unit (built by model/host_decode.py; see host.h for the map).
+/* The host forward as one translation unit (built by model/host_forward.py; see host.h for the map).
 
    One unit, so the compiler sees every kernel where it is called (the products inline into the layer
    loops) and nothing but the entry points (ds4_*) is exported. */

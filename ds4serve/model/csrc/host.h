@@ -48,7 +48,7 @@ static inline float vsum(vf v) {
 }
 
 /* Rounding is decided here, in the source, never by the compiler. The library is built with
-   -ffp-contract=off (host_decode.py), so `a * b + c` is always a product rounded, then a sum rounded;
+   -ffp-contract=off (host_forward.py), so `a * b + c` is always a product rounded, then a sum rounded;
    every multiply-add whose result must agree between two paths (tiles vs panels, packed vs dense, a
    row alone vs in a batch) goes through vfma / sfma, which are ONE fused operation wherever the target
    has FMA and the separate two everywhere else. Before this, GCC's default contraction fused some
@@ -81,7 +81,7 @@ static inline float sfma(float a, float b, float c) {
 #endif
 }
 
-/* Fixed limits of the buffers below and in the layers; host_decode.py reads them from ds4_abi (it does
+/* Fixed limits of the buffers below and in the layers; host_forward.py reads them from ds4_abi (it does
    not restate them) and keeps a model that exceeds one on the torch path. */
 #define DS4_MAX_EXPERTS 512     /* routed experts (route's and experts' stack arrays) */
 #define DS4_MAX_HC 16           /* hyper-connection streams (hc_mix_rows) */
@@ -125,7 +125,7 @@ __attribute__((noreturn, cold)) static void ds4_out_of_bounds(const char *what, 
 #define DS4_CHECK_NAME ""
 #endif
 
-/* ---- descriptors (filled once by host_decode.py; field order must match its ctypes mirrors) ---- */
+/* ---- descriptors (filled once by host_forward.py; field order must match its ctypes mirrors) ---- */
 
 typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded to whole vectors) or [N, K] */
     const float *p;       /* fmt 0: fp32 */
@@ -138,7 +138,7 @@ typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded 
 } Weight;
 
 /* outputs [n0, ...) of a weight (a group of o_a's block-diagonal rows); an FP8 weight's n0 is a whole
-   number of scale blocks (host_decode.py keeps other FP8 weights dequantised) */
+   number of scale blocks (host_forward.py keeps other FP8 weights dequantised) */
 static inline Weight weight_cols(Weight w, int64_t n0) {
     if (w.fmt == 1) {
         w.q += n0;

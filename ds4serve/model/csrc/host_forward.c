@@ -161,8 +161,8 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
     return 0;
 }
 
-/* ---- the binary interface host_decode.py mirrors ---------------------------------------------------
-   The struct sizes and the fixed limits, by name; host_decode.py compares each with its ctypes mirror
+/* ---- the binary interface host_forward.py mirrors ---------------------------------------------------
+   The struct sizes and the fixed limits, by name; host_forward.py compares each with its ctypes mirror
    when it binds the library and refuses a mismatch (a field added on one side only), and takes the
    limits from here instead of restating them. */
 #define ABI_ENTRIES(X)                                                                            \

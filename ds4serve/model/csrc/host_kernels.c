@@ -227,30 +227,47 @@ static void kn_blocks(void *c, int64_t lo, int64_t hi) {
 
 /* host_stored.c: the kernels over weights kept at the checkpoint's width, which linear() picks by fmt */
 static void b16_tile(const float *x, int64_t ldx, int mr, int64_t K, const uint8_t *w, int64_t ld, int nr, float *y,
-                     int64_t ldy);
+                     int64_t ldy, int alone);
 static void f8_row_blocks(void *c, int64_t lo, int64_t hi);
 static void f8_blocks(void *c, int64_t lo, int64_t hi);
 static int64_t f8_panel_cap(int64_t M);
+/* a bf16 [N, K] tile (b16_tile): rows x outputs, every head row decoded once per B16_MR rows: 8 x 3
+   accumulators in AVX-512's 32 registers, 4 x 2 in AVX2's 16; one row alone takes B16_NR1 outputs (more
+   rows streaming at once: 3 were 0.90x the 4 before at one row) */
+#if VW == 16
+#define B16_MR 8
+#define B16_NR 3
+#else
+#define B16_MR 4
+#define B16_NR 2
+#endif
+#ifndef B16_NR1
+#define B16_NR1 4
+#endif
+/* outputs per column block of an [N, K] product of M rows */
+static inline int64_t nk_width(const Weight *w, int64_t M) { return w->fmt == 2 ? (M == 1 ? B16_NR1 : B16_NR) : 4; }
 /* up to this many rows stream the rows of an FP8 weight (each weight decoded once per 8 rows); more decode
    blocks under the register tiles, which reuse each decoded weight for every row */
 #ifndef F8_ROWS_THRESHOLD
-#define F8_ROWS_THRESHOLD 16
+#define F8_ROWS_THRESHOLD 40
 #endif
 
 /* [N, K] weights: fp32 (nk_tile) or bf16 (b16_tile, the same order) */
 static void nk_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
+    const int64_t width = nk_width(&j->w, j->M), rows = j->w.fmt == 2 ? B16_MR : 4;
     for (int64_t b = lo; b < hi; b++) {
-        int64_t n0 = b * 4;
-        int nr = (int)(j->N - n0 < 4 ? j->N - n0 : 4);
-        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+        int64_t n0 = b * width;
+        int nr = (int)(j->N - n0 < width ? j->N - n0 : width);
+        for (int64_t m0 = 0, mr; m0 < j->M; m0 += mr) {
+            int64_t left = (j->M - m0 + rows - 1) / rows;  /* groups left: as even as may be */
+            mr = (j->M - m0 + left - 1) / left;
             const float *x = j->x + m0 * j->ldx;
             float *y = j->y + m0 * j->ldy + n0;
-            int mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
             if (j->w.fmt == 2)
-                b16_tile(x, j->ldx, mr, j->K, j->w.q + n0 * j->w.ld * 2, j->w.ld, nr, y, j->ldy);
+                b16_tile(x, j->ldx, (int)mr, j->K, j->w.q + n0 * j->w.ld * 2, j->w.ld, nr, y, j->ldy, j->M == 1);
             else
-                nk_tile(x, j->ldx, mr, j->K, j->w.p + n0 * j->w.ld, j->w.ld, nr, y, j->ldy);
+                nk_tile(x, j->ldx, (int)mr, j->K, j->w.p + n0 * j->w.ld, j->w.ld, nr, y, j->ldy);
         }
     }
 }
@@ -259,7 +276,7 @@ static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight; FP8 is [K, N] and
    bf16 [N, K], host_stored.c); column blocks on the pool once there are ~32k multiply-adds per chunk. A
-   [K, N] weight is stored padded to whole vectors (host_decode.py), and writes padded(N) columns: the
+   [K, N] weight is stored padded to whole vectors (host_forward.py), and writes padded(N) columns: the
    caller's ldy makes room for them. */
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
     int f8 = w.fmt == 1;
@@ -268,10 +285,10 @@ static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, 
     int64_t cap = f8 ? f8_panel_cap(M) : ROW_PANEL;
     int64_t panel = per_thread < cap ? per_thread : cap;
     LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy, panel};
-    int64_t width = row ? panel : w.kn ? KN_NV * VW : 4;
+    int64_t width = row ? panel : w.kn ? KN_NV * VW : nk_width(&w, M);
     int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
     int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
-    parallel(blocks, grain, row ? (f8 ? f8_row_blocks : kn_row_blocks) : w.kn ? (f8 ? f8_blocks : kn_blocks)
+    pool_run(blocks, grain, row ? (f8 ? f8_row_blocks : kn_row_blocks) : w.kn ? (f8 ? f8_blocks : kn_blocks)
                                                                                : nk_blocks, &job);
 }
 
@@ -394,9 +411,9 @@ static void hc_pre(const Dims *d, const float *streams, int64_t T, Weight fn, co
     int64_t hc = d->hc, D = d->hidden, n_mix = (2 + hc) * hc;
     HcJob job = {d, streams, base, scale, x, post, comb, flat, z, fn.kn ? padded(n_mix) : n_mix};
     memcpy(flat, streams, (size_t)(T * hc * D) * 4);
-    parallel(T, 8, hc_norm_rows, &job);
+    pool_run(T, 8, hc_norm_rows, &job);
     linear(flat, hc * D, T, hc * D, fn, n_mix, z, job.zs);
-    parallel(T, 8, hc_mix_rows, &job);
+    pool_run(T, 8, hc_mix_rows, &job);
 }
 
 typedef struct {
@@ -425,5 +442,5 @@ static void hc_post_rows(void *c, int64_t lo, int64_t hi) {
 static void hc_post(const Dims *d, float *streams, int64_t T, const float *y, const float *post, const float *comb,
                     float *tmp) {
     PostJob job = {d, streams, y, post, comb, tmp};
-    parallel(T, 8, hc_post_rows, &job);
+    pool_run(T, 8, hc_post_rows, &job);
 }

@@ -85,7 +85,7 @@ static void emit_rows(const Model *m, const StepView *v, const Emitter *e, const
                       int after, float *rot_scratch) {
     RowJob job = {.m = m, .v = v, .e = e, .cv = cv, .states = states, .rot = rot_scratch,
                   .n_ring = after ? INT64_MAX : e->ring_rows};
-    parallel(cv->E, 4, emit_windows, &job);
+    pool_run(cv->E, 4, emit_windows, &job);
 }
 
 /* ---- attention (decoder.Attention, attention.sink_attention) ------------------------------------ */
@@ -145,7 +145,7 @@ static void csa_queries(void *c, int64_t lo, int64_t hi) {
 /* CSA: per query, score every visible indexer row and keep the top-k pool rows (Compressor.gathered) */
 static void csa_rows(const Model *m, const Layer *L, const VisView *vis, int64_t T, AttnScratch *s, int64_t kc) {
     RowJob job = {.m = m, .L = L, .vis = vis, .s = s, .kc = kc};
-    parallel(T, vis->R >= 64 ? 1 : 1 + 64 / (vis->R + 1), csa_queries, &job);
+    pool_run(T, vis->R >= 64 ? 1 : 1 + 64 / (vis->R + 1), csa_queries, &job);
 }
 
 typedef struct Keys {  /* where one query's keys live */
@@ -236,7 +236,7 @@ static void project(const Model *m, const Layer *L, const StepView *v, const flo
     linear(s->qr, d->q_lora, T, d->q_lora, L->q_b, H * hd, s->q, H * hd);
     linear(xn, D, T, D, L->kv, hd, s->kv, hd);
     RowJob job = {.m = m, .L = L, .v = v, .s = s};
-    parallel(T, 8, project_rows, &job);
+    pool_run(T, 8, project_rows, &job);
 }
 
 /* the compressor (and indexer) of a compressed layer: states, captures, emits; returns the keys
@@ -324,7 +324,7 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     groups = groups > H ? H : groups;
     while ((H + groups - 1) / groups > 64) groups++;
     RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1, .kc = groups};
-    parallel(T * groups, 1, attend_rows, &job);
+    pool_run(T * groups, 1, attend_rows, &job);
     if (!after) {  /* prefill: every read of the rings is done; now this forward's rows go in */
         write_ring(swa, s->kv, T, v->swa_dst, v->swa_src, v->M);
         if (L->kind != 0) {
@@ -335,7 +335,7 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
             if (L->kind == 1) write_ring(idx, s->states_i, T, cv->ring_dst, cv->ring_src, cv->M);
         }
     }
-    parallel(T, 16, unrope_rows, &job);
+    pool_run(T, 16, unrope_rows, &job);
     int64_t G = d->o_groups, ol = d->o_lora, X = H * hd / G;
     for (int64_t g = 0; g < G; g++) {  /* block-diagonal o_a: group g of the heads by its own rows */
         Weight wg = weight_cols(L->o_a, g * ol);

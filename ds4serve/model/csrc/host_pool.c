@@ -114,7 +114,7 @@ static int pool_resize(Pool *p, int workers) {
 
 /* fn(ctx, lo, hi) over [0, n_items), split into chunks of at least `grain` items; on the pool when
    there is enough work and the pool is free, else on the calling thread alone */
-static void parallel(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
+static void pool_run(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
     int64_t chunks = grain > 0 ? n_items / grain : n_items;
     if (chunks > 8 * (int64_t)g_threads) chunks = 8 * (int64_t)g_threads;
     if (chunks > 0xffff) chunks = 0xffff;  /* what the claim word holds */
@@ -170,7 +170,7 @@ int64_t ds4_pool_check(int64_t loops, int64_t items, int threads) {
     if (!counts) return -1;
     g_threads = threads > 0 ? threads : 1;
     CountJob job = {counts};
-    for (int64_t l = 0; l < loops; l++) parallel(items, 1 + (l % 3), count_items, &job);
+    for (int64_t l = 0; l < loops; l++) pool_run(items, 1 + (l % 3), count_items, &job);
     int64_t wrong = 0;
     for (int64_t i = 0; i < items; i++) wrong += atomic_load(&counts[i]) != loops;
     free(counts);

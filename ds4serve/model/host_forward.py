@@ -3,7 +3,7 @@
 Why: a decode step of the torch path on a CPU is ~1,700 dispatched ops, most of its time in Python and
 dispatch rather than arithmetic, and the BLAS under it is slow for the 1-32-row products of decode
 (MKL takes a generic path on AMD CPUs: a 1,024 x 512 product of one row runs at ~4 GFLOP/s there).
-``HostDecoder`` runs the same network in C for every view the engine builds (decode rows, prefill
+``HostForward`` runs the same network in C for every view the engine builds (decode rows, prefill
 chunks, image blocks, layer slices of a pass): products by kernels written for these shapes, everything
 else as plain loops, split across threads by a work-claiming pool (``csrc/host_pool.c``: a late thread
 never stalls a step); and the LM head the same way. The torch path stays the reference and the
@@ -44,7 +44,7 @@ _CSRC = Path(__file__).with_name("csrc")
 # is fused (vfma / sfma in csrc/host.h), so every path that promises the same bits rounds the same way on
 # every instruction set (with GCC's default contraction, rows of one batch differed on an AVX2 CPU)
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
-SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostDecoder._weight)
+SMALL_OUT = 64  # projections with fewer outputs get a padded [in, out] copy (see HostForward._weight)
 # ---- building and loading the library ----------------------------------------------------------
 
 def _attempts(build: NativeBuild) -> list[list[str]]:
@@ -64,7 +64,8 @@ def _load() -> ctypes.CDLL:
     errors = []
     for march in _attempts(build):
         try:
-            path = build_library(cache_root() / "native", "host_decode", source,
+            # the unit's name must not be a part's: the compiler would find the unit itself for that #include
+            path = build_library(cache_root() / "native", "host_unit", source,
                                  _BASE_FLAGS + [f"-I{_CSRC}"] + march + extra, ["-lm"], key=cpu_key() + included)
             lib = _bind(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError) as exc:
@@ -180,7 +181,7 @@ def _packed_unsupported(stack, max_parts: int) -> str | None:
     return None
 
 
-class HostDecoder:
+class HostForward:
     """The native decode forward and LM head of one model over one ``ModelState``'s tensors."""
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL):
@@ -207,7 +208,7 @@ class HostDecoder:
         self._arena, self._head_arena = _Arena(), _Arena()
 
     @classmethod
-    def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> tuple["HostDecoder | None", str]:
+    def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> tuple["HostForward | None", str]:
         """The decoder, or ``(None, why not)``."""
         lib = library()
         if lib is None:

@@ -7,7 +7,7 @@ its ranks without HTTP (``run_node``). How the ranks meet, and how nodes notice 
 ``rendezvous.py``. Every rank joins two process groups (``compute``: NCCL on CUDA, gloo on CPU, with
 the collective timeout; ``control``: gloo), loads only its own slices of the weights
 (``model.sharding``; ranks other than 0 skip the vision tower), and waits for rank 0's sizing. Rank 0
-then builds its ``EngineCore`` with ``ParallelEngine`` and a mirrored cache (``engine.parallel``); the
+then builds its ``EngineCore`` with ``ParallelExecutor`` and a mirrored cache (``engine.parallel_executor``); the
 others build the same cache and engine and serve steps until rank 0 says stop.
 
 A local worker that exits while the server runs is noticed by a watchdog thread on rank 0 (its process
@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 from ..cache import StateLayout
 from ..cache.manager import CacheManager
 from ..config import ConfigError, ModelConfig
-from ..engine.executor import Engine
-from ..engine.parallel import CallRecorder, Collectives, Mirrored, ParallelEngine, serve_steps
+from ..engine.executor import Executor
+from ..engine.parallel_executor import CallRecorder, Collectives, Mirrored, ParallelExecutor, serve_steps
 from ..model import load_model, parse_dtype
 from ..model.sharding import ShardPlan
 from .rendezvous import (NodeLinks, ParallelSettings, RankZeroLink, Topology, agreement, open_store,
@@ -82,14 +82,14 @@ class ParallelGroup:
     links: NodeLinks | None = None
     first_worker: int = 1  # the rank of ``workers[0]``
 
-    def attach(self, cfg: ModelConfig, model, cache: CacheManager, sizing: dict) -> tuple[Mirrored, ParallelEngine]:
+    def attach(self, cfg: ModelConfig, model, cache: CacheManager, sizing: dict) -> tuple[Mirrored, ParallelExecutor]:
         """Send the workers rank 0's sizing (they build the same cache), and wrap this rank's engine."""
         self.coll.send(("init", [], sizing), timeout=LOAD_TIMEOUT)
         log.info("tensor parallel: decode graphs are off (a captured graph would replay collectives it "
                  "cannot agree on with the other ranks)")
         recorder = CallRecorder()
-        engine = Engine(cfg, model, cache, decode_graphs="off")
-        return Mirrored(cache, "cache", recorder), ParallelEngine(engine, self.coll, recorder, cfg.num_layers)
+        engine = Executor(cfg, model, cache, decode_graphs="off")
+        return Mirrored(cache, "cache", recorder), ParallelExecutor(engine, self.coll, recorder, cfg.num_layers)
 
     def watch(self) -> None:
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -134,7 +134,7 @@ class ParallelGroup:
         if self.on_lost is not None:
             self.on_lost(why)
 
-    def close(self, engine: ParallelEngine | None) -> None:
+    def close(self, engine: ParallelExecutor | None) -> None:
         self.stopping = True
         if engine is not None:
             engine.close()
@@ -201,7 +201,7 @@ def start_group(model_dir: Path, settings: ParallelSettings, device: str, dtype:
     topo = topology(settings)
     if topo.first != 0:
         raise ConfigError(f"node {topo.node_rank} runs its ranks without serving: start it with "
-                          f"`ds4serve serve --node-rank {topo.node_rank}` (runtime.parallel.run_node)")
+                          f"`ds4serve serve --node-rank {topo.node_rank}` (runtime.tp_group.run_node)")
     args = RankArgs(topo, str(model_dir), device, dtype, packed_experts, settings.expert_parallel,
                     settings.timeout_s, logging.getLogger().level, settings.worker_hook)
     workers = _spawn(args)
@@ -243,7 +243,7 @@ def run_rank(args: RankArgs, rank: int, store: dist.Store) -> None:
     layout = StateLayout.build(cfg, dt, sizing["page_tokens"])
     cache = CacheManager(layout, sizing["max_seqs"], sizing["n_pages"], dev, sizing["host_budget"],
                          sizing["staging_rows"], prefix_budget_bytes=sizing["prefix_budget"])
-    engine = Engine(cfg, model, cache, decode_graphs="off", sample=False)
+    engine = Executor(cfg, model, cache, decode_graphs="off", sample=False)
     if args.hook:
         module, name = args.hook.split(":")
         getattr(importlib.import_module(module), name)(rank, engine)

@@ -11,7 +11,7 @@ computes them anyway. That makes the design simple and exact:
 * Each step, rank 0 broadcasts the recorded calls and the plan (samplers stripped, slots as ints,
   image rows included) in one message. Workers replay the calls on their own ``CacheManager``, which
   therefore makes the same decisions (same slots, same pages, same prefix entries), then run the same
-  ``Engine.step``: the forward's two all-reduces per layer meet rank 0's.
+  ``Executor.step``: the forward's two all-reduces per layer meet rank 0's.
 * After the step every rank all-reduces a failure flag. A rank whose forward raised first *drains*
   the collectives the plan still owes (zeros of the planned shapes), so nobody waits; then every rank
   treats the step as failed and undoes it as a one-process engine does (its requests fail, the
@@ -266,19 +266,19 @@ def run_step(engine, coll: Collectives, plan: StepPlan, num_layers: int) -> Step
                       error="the step failed on another tensor-parallel rank", elapsed_s=result.elapsed_s)
 
 
-class ParallelEngine:
-    """Rank 0's engine: sends each plan (and the cache calls before it) to the workers, runs it here
+class ParallelExecutor:
+    """Rank 0's executor: sends each plan (and the cache calls before it) to the workers, runs it here
     too, and fails the step everywhere if it failed anywhere."""
 
-    def __init__(self, engine, coll: Collectives, recorder: CallRecorder, num_layers: int):
-        self.engine, self.coll, self.recorder, self.num_layers = engine, coll, recorder, num_layers
+    def __init__(self, executor, coll: Collectives, recorder: CallRecorder, num_layers: int):
+        self.executor, self.coll, self.recorder, self.num_layers = executor, coll, recorder, num_layers
 
     def __getattr__(self, attr: str) -> Any:
-        return getattr(self.engine, attr)
+        return getattr(self.executor, attr)
 
     def step(self, plan: StepPlan) -> StepResult:
         self.coll.send(("step", self.recorder.take(), strip_plan(plan)))
-        return run_step(self.engine, self.coll, plan, self.num_layers)
+        return run_step(self.executor, self.coll, plan, self.num_layers)
 
     def close(self) -> None:
         """Tell the workers to exit (best effort: they may be gone already)."""

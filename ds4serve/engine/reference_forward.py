@@ -1,8 +1,9 @@
-"""Executes forwards of the model over the engine's state: the mechanism under every step.
+"""The torch reference forward over the engine's state, outside any step (``LLM.reference``).
 
-``ModelRunner`` owns the model and its ``ModelState`` and runs one flattened forward for a list of
-``SeqChunk``s: build the view (index metadata, once per forward), embed, run the layer stack, and
-compute logits only for the rows someone will sample from. It makes no policy decision.
+``ReferenceForward`` runs one flattened forward of the torch model for a list of ``SeqChunk``s: build
+the view, embed, run the layer stack, and return logits for every row or for each chunk's last row.
+Serving never calls it (steps go through ``executor.Executor``, which may run the native host forward);
+tests and ``LLM.prompt_logits(engine=False)`` use it as the reference the executor is checked against.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..config import ModelConfig
 from ..model import DS4ForCausalLM
 
 
-class ModelRunner:
+class ReferenceForward:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, state: ModelState):
         self.cfg = cfg
         self.model = model

@@ -1,4 +1,4 @@
-"""The native host forward (model/host_decode.py) computes what the torch path computes.
+"""The native host forward (model/host_forward.py) computes what the torch path computes.
 
 Two engines on the same checkpoint, one native and one on the torch path, run the same forwards (prefill
 chunks of several sequences across window / ratio boundaries, then decode rows, then prefill chunks
@@ -20,7 +20,7 @@ import torch
 from ds4serve.cache import SeqChunk
 from ds4serve.llm import LLM
 from ds4serve import native_build
-from ds4serve.model import host_decode, native
+from ds4serve.model import host_forward, native
 from model_helpers import random_ids, write_random_text_checkpoint
 
 ATOL = 1e-4
@@ -30,7 +30,7 @@ def _pair(ckpt_factory, name: str, **kw):
     _, path = ckpt_factory(name)
     fast = LLM(path, max_seqs=4, host_kernels="on", **kw)
     slow = LLM(path, max_seqs=4, host_kernels="off", **kw)
-    assert fast.core.engine.host is not None and slow.core.engine.host is None
+    assert fast.core.executor.host is not None and slow.core.executor.host is None
     return fast, slow
 
 
@@ -74,7 +74,7 @@ def _run_both(fast, slow, steps) -> None:
         for chunks in steps:
             outs = []
             for llm, slots in pairs:
-                cache, engine = llm.core.cache, llm.core.engine
+                cache, engine = llm.core.cache, llm.core.executor
                 for i, start, ids, _ in chunks:
                     assert cache.reserve({slots[i]: start + len(ids) + 1})
                 view = engine._view([SeqChunk(slots[i], start, ids, cache.block_table(slots[i]), captures=caps)
@@ -176,12 +176,12 @@ def test_snapshots_inside_a_chunk_starting_mid_sequence_are_the_same(ckpt_factor
     a0, a1 = w + 3, 2 * max(cfg.distinct_ratios) + 1
     hs0 = sorted({a0 + 1, a0 + 2, a0 + spans[0] - 1, a0 + w - 1, a0 + max(spans + [w]) + 1})
     hs1 = sorted({a1 + 1, a1 + spans[-1] - 1, a1 + w + 2})
-    hs0 += [hs0[-1] + 3 * (i + 1) for i in range(host_decode.MAX_CAPTURES - len(hs0) - len(hs1))]  # fill up
+    hs0 += [hs0[-1] + 3 * (i + 1) for i in range(host_forward.MAX_CAPTURES - len(hs0) - len(hs1))]  # fill up
     n0, n1 = hs0[-1] + 5, hs1[-1] + 3
     p0, p1 = random_ids(n0, cfg.vocab_size, seed=8), random_ids(n1, cfg.vocab_size, seed=9)
     caps0 = tuple((h, e) for e, h in enumerate(hs0))
     caps1 = tuple((h, len(hs0) + e) for e, h in enumerate(hs1))
-    assert len(caps0) + len(caps1) == host_decode.MAX_CAPTURES == fast.core.cache.prefix.arena.n
+    assert len(caps0) + len(caps1) == host_forward.MAX_CAPTURES == fast.core.cache.prefix.arena.n
     steps = [[(0, 0, p0[:a0], ()), (1, 0, p1[:a1 - 2], ())],
              [(1, a1 - 2, p1[a1 - 2:a1], ())],  # seq 1 reaches a1 by a short chunk: its rings are mixed
              [(0, a0, p0[a0:], caps0), (1, a1, p1[a1:], caps1)]]
@@ -232,32 +232,32 @@ def test_where_it_does_not_apply_the_torch_path_runs(ckpt_factory, caplog):
     _, path = ckpt_factory("A")
     with caplog.at_level(logging.INFO, logger="ds4serve.engine.executor"):
         llm = LLM(path, max_seqs=2, dtype="bfloat16")
-    assert llm.core.engine.host is None
+    assert llm.core.executor.host is None
     assert "weights or state not in float32" in caplog.text
     with pytest.raises(RuntimeError, match="host_kernels='on'"):
         LLM(path, max_seqs=2, dtype="bfloat16", host_kernels="on")
     fp32 = LLM(path, max_seqs=2, host_kernels="off")
-    assert host_decode.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) is None
+    assert host_forward.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) is None
     fp32.model.model.layers[0].self_attn.reduce = lambda t: t  # a tensor-parallel shard
-    assert host_decode.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) == "tensor / expert parallel"
+    assert host_forward.unsupported(fp32.cfg, fp32.model, fp32.core.cache.state.layers) == "tensor / expert parallel"
 
 
 def test_no_compiler_means_the_torch_path_logged_once(ckpt_factory, monkeypatch, tmp_path, caplog):
     _, path = ckpt_factory("C")
-    monkeypatch.setattr(host_decode, "_library", host_decode._library.fresh())
+    monkeypatch.setattr(host_forward, "_library", host_forward._library.fresh())
     monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
-    monkeypatch.setattr(host_decode, "cache_root", lambda: tmp_path)
-    with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_decode"):
+    monkeypatch.setattr(host_forward, "cache_root", lambda: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_forward"):
         a = LLM(path, max_seqs=2)
         b = LLM(path, max_seqs=2)
-    assert a.core.engine.host is None and b.core.engine.host is None
+    assert a.core.executor.host is None and b.core.executor.host is None
     assert caplog.text.count("host decode kernels unavailable") == 1
     assert a.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
 
 
 def test_a_token_outside_the_vocabulary_fails_the_forward_and_writes_nothing(ckpt_factory):
     fast, _ = _pair(ckpt_factory, "C")
-    cache, engine = fast.core.cache, fast.core.engine
+    cache, engine = fast.core.cache, fast.core.executor
     slot = cache.alloc_slot()
     try:
         assert cache.reserve({slot: 8})
@@ -272,15 +272,15 @@ def test_a_token_outside_the_vocabulary_fails_the_forward_and_writes_nothing(ckp
 
 def test_the_start_up_self_check_turns_a_wrong_native_forward_off(ckpt_factory, monkeypatch, caplog):
     _, path = ckpt_factory("C")
-    real = host_decode.HostDecoder.forward
+    real = host_forward.HostForward.forward
 
     def off_by_a_bit(self, view, start=0, stop=None, streams=None):
         return real(self, view, start, stop, streams) + 0.01
 
-    monkeypatch.setattr(host_decode.HostDecoder, "forward", off_by_a_bit)
+    monkeypatch.setattr(host_forward.HostForward, "forward", off_by_a_bit)
     with caplog.at_level(logging.ERROR):
         llm = LLM(path, max_seqs=2)
-    assert llm.core.engine.host is None
+    assert llm.core.executor.host is None
     assert "native host forward turned off" in caplog.text and "hidden states of a prefill chunk differ" in caplog.text
     with pytest.raises(RuntimeError, match="disagrees with the torch path"):
         LLM(path, max_seqs=2, host_kernels="on")
@@ -310,7 +310,7 @@ def test_image_prompts_are_the_same_on_both_paths(random_ckpt):
             core.add(r)
         core.run_until_idle()
         outs[mode] = reqs
-        assert (core.engine.host is not None) == (mode == "on")
+        assert (core.executor.host is not None) == (mode == "on")
     for a, b in zip(outs["on"], outs["off"]):
         assert a.output_ids == b.output_ids
         assert max(abs(x[0] - y[0]) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
@@ -322,7 +322,7 @@ def test_the_thread_pool_runs_every_item_of_every_loop_once():
     also while a second thread calls in (it runs its loops alone): every item exactly once per loop."""
     import threading
 
-    lib = host_decode.library()
+    lib = host_forward.library()
     assert lib is not None
     for threads in (1, 2, 3, 5):
         assert lib.ds4_pool_check(3000, 37, threads) == 0, threads
