@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import APPENDIX_A, write_config
 from ds4serve.llm import LLM
-from ds4serve.model import host_decode
+from ds4serve.model import host_forward
 from ds4serve.model.footprint import footprint
 from ds4serve.model.stored import StoredWeight
 from model_helpers import random_ids
-from test_host_decode import _decode_steps, _run_both
+from test_host_forward import _decode_steps, _run_both
 from test_weights import _quantize_fp8, _quantize_mxfp4
 
 FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
@@ -31,7 +31,7 @@ BLOCK = 32
 
 
 def _lib():
-    lib = host_decode.library()
+    lib = host_forward.library()
     if lib is None:
         pytest.skip("the native host forward could not be built here")
     return lib
@@ -50,19 +50,22 @@ def _fp8_weight(n: int, k: int, block: int, seed: int):
     return q.view(torch.uint8), s, dense
 
 
-@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (256, 512, 128), (128, 1030, 16), (16512, 70, 16)])
+@pytest.mark.parametrize("n,k,block", [(96, 200, 48), (256, 512, 128), (128, 1030, 16), (16512, 70, 16),
+                                       (96, 600, 48)])
 def test_fp8_products_equal_the_fp32_kernels_over_dequantised_weights(n, k, block):
     """Stored [K, N] FP8 vs the fp32 [K, N] kernels over the dequantised weights: the same
     bits for 1-3 rows (streamed rows), more rows (decoded blocks under the register tiles), partial scale
-    blocks (200 = 4 x 48 + 8) and K tails; and close to a plain matmul (the values are right)."""
+    blocks (200 = 4 x 48 + 8) and K tails; and close to a plain matmul (the values are right). Past 8 rows
+    the streamed kernels go over K in chunks of 256 weight rows, each group of rows in turn (600 = 2
+    chunks + 88: a chunk edge inside a block of 48 scales), in groups as even as may be (17 = 6 + 6 + 5)."""
     lib = _lib()
     codes, s, dense = _fp8_weight(n, k, block, seed=n + k)
     kn_codes, muls, dense_kn = codes.t().contiguous(), s.contiguous(), dense.t().contiguous()
-    stored = host_decode._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
+    stored = host_forward._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
                                  muls.shape[0])
-    fp32 = host_decode._Weight(dense_kn.data_ptr(), n, 1)
+    fp32 = host_forward._Weight(dense_kn.data_ptr(), n, 1)
     g = torch.Generator().manual_seed(k)
-    for m in (1, 2, 3, 4, 7, 9, 13, 17, 20):  # streamed rows up to 16 (in passes of 8), decoded blocks past
+    for m in (1, 2, 3, 4, 7, 9, 13, 17, 20, 40, 41):  # streamed rows up to 40 (groups of <= 8), decoded blocks past
         x = torch.randn(m, k, generator=g)
         got = _run(lib, x, stored, n)
         assert torch.equal(got, _run(lib, x, fp32, n)), m
@@ -90,16 +93,16 @@ def test_fp8_products_with_power_of_two_scales_equal_the_fp32_kernels(n, k, bloc
     """UE8M0 scales take the fold (the scale moves to the activations, no multiply per weight) where every
     product stays exact, and the multiply where an activation times a scale would leave the normal floats
     (1e30, 1e-30) or is not finite: the same bits as the fp32 kernels either way, for 1-2 rows (f8_rows),
-    3-8 (f8_many), past 8 (groups of 8) and past 16 (decoded blocks), alone or in a batch."""
+    3-8 (f8_many), past 8 (groups of <= 8, K in chunks) and past 40 (decoded blocks), alone or in a batch."""
     lib = _lib()
     codes, s, dense = _ue8m0_weight(n, k, block, seed=n + k)
     kn_codes, muls, dense_kn = codes.t().contiguous(), s.contiguous(), dense.t().contiguous()
-    stored = host_decode._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
+    stored = host_forward._Weight(None, n, 1, 1, kn_codes.data_ptr(), muls.data_ptr(), block, block, muls.shape[1],
                                  muls.shape[0])
-    fp32 = host_decode._Weight(dense_kn.data_ptr(), n, 1)
+    fp32 = host_forward._Weight(dense_kn.data_ptr(), n, 1)
     g = torch.Generator().manual_seed(k)
     for scale in (1.0, 1e30, 1e-30, float("inf")):
-        for m in (1, 2, 3, 8, 9, 16, 17):
+        for m in (1, 2, 3, 8, 9, 16, 17, 41):
             x = torch.randn(m, k, generator=g) * scale
             x[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39])  # zeros of both signs, subnormal activations
             got = _run(lib, x, stored, n)
@@ -113,18 +116,22 @@ def test_fp8_products_with_power_of_two_scales_equal_the_fp32_kernels(n, k, bloc
                 assert (got - x @ dense.t()).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("n,k", [(96, 200), (130, 64)])
+@pytest.mark.parametrize("n,k", [(96, 200), (130, 64), (257, 4100)])
 def test_bf16_products_equal_the_fp32_kernels_over_widened_weights(n, k):
+    """The bf16 [N, K] head's tiles (up to 8 rows x 3 outputs on AVX-512, 4 x 2 on AVX2, with a prefetch
+    that runs past the last row) add like the fp32 nk_tile: the same bits for every row count (groups as
+    even as may be: 11 = 6 + 5, 17 = 6 + 6 + 5), short output blocks (130, 257) and K tails (200, 4100)."""
     lib = _lib()
     g = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     wide = w.float().contiguous()
-    stored = host_decode._Weight(None, k, 0, 2, w.data_ptr(), None, 0, 0, 0, 0)
-    fp32 = host_decode._Weight(wide.data_ptr(), k, 0)
-    for m in (1, 2, 3, 4, 5, 9):
+    stored = host_forward._Weight(None, k, 0, 2, w.data_ptr(), None, 0, 0, 0, 0)
+    fp32 = host_forward._Weight(wide.data_ptr(), k, 0)
+    for m in (1, 2, 3, 4, 5, 8, 9, 11, 17):
         x = torch.randn(m, k, generator=g)
         got = _run(lib, x, stored, n)
         assert torch.equal(got, _run(lib, x, fp32, n)), m
+        assert (got - x @ wide.t()).abs().max() < 1e-3
         assert torch.equal(_run(lib, x[-1:], stored, n)[0], got[-1]), m
 
 
@@ -164,7 +171,7 @@ def test_stored_weights_hold_the_checkpoint_width(flash_dir):
     assert isinstance(stored.model.lm_head.weight, StoredWeight) and stored.model.lm_head.weight.fmt == "bf16"
     assert stored.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert not isinstance(loaded.model.lm_head.weight, StoredWeight)
-    host = stored.core.engine.host
+    host = stored.core.executor.host
     assert host is not None
     kept = {t.data_ptr() for t in host._keep}
     assert a.q_b_proj.weight.data.data_ptr() in kept  # read where loaded, no fp32 copy
@@ -188,7 +195,7 @@ def test_the_torch_path_over_stored_weights_equals_dequantise_at_load(flash_dir)
 def test_native_forward_over_stored_weights_equals_the_torch_path(flash_dir):
     fast = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="on")
     slow = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="off")
-    assert fast.core.engine.host is not None and slow.core.engine.host is None
+    assert fast.core.executor.host is not None and slow.core.executor.host is None
     cfg = fast.cfg
     w = cfg.sliding_window
     prompts = [random_ids(n, cfg.vocab_size, seed=70 + n) for n in (w + 3, 2 * w + 11, 37)]
