@@ -10,21 +10,31 @@ index) into its drafter's calls, and its blocks into ``model_drafts.Block``. Dec
   whether the block's window is whole (``DSparkRings.complete``); an MTP state is whole once it holds
   ``sliding_window`` rows or started at position 0. Not ready: no proposal (counted by the engine).
 * **Draws**: the engine's ``pick`` (``model_drafts``) draws every token of a block and gives its ``q``.
+* **Which DSpark forward** (``dspark_drafts``): the C one (``model/native_dspark.py``) when the target runs
+  on the host forward and the drafter's tensors are fp32 host tensors, else the torch one (GPU, bf16,
+  packed experts); the reason is logged. Their drafts agree within fp32 rounding, not bit for bit, which
+  verification makes harmless: each is deterministic and per request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import logging
 
-from ..model.dspark import DSparkRings, SharedHead, draft as dspark_draft, commit as dspark_commit
+import torch
+import torch.nn.functional as F
+
+from ..model.dspark import DSparkRings, SharedHead, draft as dspark_draft, commit as dspark_commit, markov_sample
 from ..model.dspark_weights import DSparkWeights
 from ..model.mtp import MTPDrafter, MTPState
+from ..model.native_dspark import NativeDSpark, unsupported as native_unsupported
 from .capture import CapturePlan
 from .model_drafts import Block
 
 IMAGE_PAIR_TOKEN = 0
+
+log = logging.getLogger(__name__)
 
 
 class DSparkDrafts:
@@ -55,6 +65,55 @@ class DSparkDrafts:
     def draft(self, states, anchors, anchor_positions, pick) -> Block:
         out = dspark_draft(self.weights, states, anchors, anchor_positions, self.head, sampler=pick)
         return Block(out.tokens, out.q, out.survival)
+
+
+class NativeDSparkDrafts(DSparkDrafts):
+    """``DSparkDrafts`` with the C forward (``model/native_dspark.py``): one call per commit and per
+    block; greedy blocks (``pick.greedy``) stay in C, sampled ones run the torch Markov head over the C
+    forward's logits with the engine's draws. The rings are the same fp32 ``DSparkRings``."""
+
+    def __init__(self, weights: DSparkWeights, target, capacity: int):
+        super().__init__(weights, target, capacity)
+        self.native = NativeDSpark(weights, target, self.rings)
+        self._window = weights.config.window
+
+    def commit(self, states, positions, tokens, hidden, owners) -> None:
+        if positions.shape[0] == 0:
+            return
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long).index_select(0, owners.cpu())
+        self.native.commit(slots, positions.cpu(), hidden)
+
+    def ready(self, states, last: torch.Tensor) -> list[bool]:
+        """``DSparkRings.complete`` in plain Python over the slot's positions (one request is the usual
+        case, and torch's ops cost more than the loop)."""
+        out = []
+        for s, p in zip(states, last.tolist()):
+            row = self.rings.pos[s.slot].tolist()
+            have = sum(1 for q in row if 0 <= q <= p and q > p - self._window)
+            out.append(have == min(p + 1, self._window))
+        return out
+
+    def draft(self, states, anchors, anchor_positions, pick) -> Block:
+        greedy = bool(getattr(pick, "greedy", False))
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long)
+        base, hidden, tokens, conf = self.native.draft(slots, anchors.cpu(), anchor_positions.cpu(), greedy)
+        if not greedy:
+            out = markov_sample(self.weights, base, hidden, anchors, pick)
+            return Block(out.tokens, out.q, out.survival)
+        # draft_probs's greedy q, one-hot at the argmax, only where something reads it (rejection sampling)
+        q = F.one_hot(tokens, base.shape[-1]).float() if getattr(pick, "needs_q", True) else None
+        return Block(tokens, q, torch.cumprod(conf, dim=1))
+
+
+def dspark_drafts(weights: DSparkWeights, target, capacity: int, host_forward: bool) -> DSparkDrafts:
+    """The DSpark adapter for this target: the C forward beside the host forward where it applies."""
+    if host_forward:
+        why = native_unsupported(weights, target)
+        if why is None:
+            log.info("DSpark drafter: the native host forward (csrc/host_dspark.c)")
+            return NativeDSparkDrafts(weights, target, capacity)
+        log.info("DSpark drafter: the torch forward (the native one does not apply: %s)", why)
+    return DSparkDrafts(weights, target, capacity)
 
 
 @dataclass

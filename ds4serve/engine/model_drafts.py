@@ -47,7 +47,9 @@ from .sampling import SamplerState, _race, token_seed
 from .spec_verify import DRAFT_DOMAIN, Draft, domain_seed, draft_probs, request_seed
 
 ACCEPTANCE = ("coupled", "rejection")
-# pick(logits [R, V] of block position i, i) -> (tokens [R], q [R, V]): how a drafter draws its tokens
+# pick(logits [R, V] of block position i, i) -> (tokens [R], q [R, V]): how a drafter draws its tokens;
+# ``pick.greedy`` is True when every row is greedy (the tokens are the argmax, q one-hot there);
+# ``pick.needs_q`` False when nothing reads ``Block.q`` (coupled acceptance), so a drafter may leave it None
 Pick = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class Block:
     drawn from) and ``survival [R, B]`` (the confidence product, 1 where the drafter has none)."""
 
     tokens: torch.Tensor
-    q: torch.Tensor
+    q: torch.Tensor | None  # None only where the pick said it is not needed (``pick.needs_q``)
     survival: torch.Tensor
 
 
@@ -246,4 +248,6 @@ class ModelDrafts:
                 tokens[r] = _race(q[r], gen)
             return tokens, q
 
+        pick.greedy = not sampled  # every row greedy: a drafter may take its argmax without calling pick
+        pick.needs_q = self.rejection  # coupled acceptance never reads a block's q: a drafter may skip it
         return pick

@@ -1,0 +1,182 @@
+"""The DSpark drafter's forward in C (``csrc/host_dspark.c``), for a target on the host forward.
+
+Why: the torch drafter (``dspark.py``) is ~300 dispatched ops a block, 2.3-3.3 ms on two cores for the
+bundled model, against a ~0.7 ms target step: it cost more than the drafts saved. The C forward runs
+the same network (commit's ring rows; the block's stages, ``hc_head``, norm and the shared LM head; the
+greedy Markov and confidence heads) as one call, each request on its own in a fixed order, so a
+request's drafts do not depend on its batch. Rings stay the torch drafter's ``DSparkRings`` (fp32), so
+readiness, snapshots and restores are shared with it.
+
+Where it applies (``unsupported`` says why not, and the torch drafter runs): fp32 host tensors for every
+drafter weight (no packed experts), the shared embedding and LM head, the bounds of the C file's stack
+arrays. Sampled blocks take the C forward's base logits and hidden states through the torch
+``markov_sample`` with the engine's own draws (the Markov loop is B small steps); greedy blocks stay in
+C end to end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+from ..environment import cache_root, native_build
+from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
+from .dspark import DSparkRings, _rope_freqs
+from .dspark_weights import DSparkWeights
+from .host_forward import _BASE_FLAGS, _attempts
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+# host_dspark.c's stack arrays (ds_draft refuses beyond): ring rows, hc streams, experts, block rows x top_k
+MAX_WINDOW, MAX_HC, MAX_EXPERTS, MAX_ROUTES = 4096, 16, 512, 1024
+
+_DIMS = ("D", "hc", "H", "hd", "rd", "q_lora", "o_groups", "o_lora", "n_exp", "top_k", "inter", "sh_inter", "V",
+         "iters", "scoring", "norm_topk", "W", "S", "B", "rank", "L", "noise", "lm_kn", "capacity")
+_STAGE = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale", "attn_norm.weight",
+          "ffn_norm.weight", "attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight", "attn.wkv.weight",
+          "attn.kv_norm.weight", "attn.attn_sink", "attn.wo_a.weight", "attn.wo_b.weight", "ffn.gate.weight",
+          "ffn.gate.bias", "experts.gate_up", "experts.down", "ffn.shared_experts.w1.weight",
+          "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")
+_HEADS = ("main_proj", "main_norm", "norm", "head_fn", "head_base", "head_scale", "w1", "w2", "wc", "embed", "lm_head",
+          "inv_freq")
+
+
+class _Dims(Structure):
+    _fields_ = [(n, c_int64) for n in _DIMS] + [(n, c_float) for n in ("eps", "hc_eps", "limit", "rscale")]
+
+
+class _Stage(Structure):
+    _fields_ = [(f"t{i}", c_void_p) for i in range(len(_STAGE))]
+
+
+class _Model(Structure):
+    _fields_ = [("d", _Dims), ("stages", POINTER(_Stage))] + [(n, c_void_p) for n in _HEADS]
+
+
+def _load() -> ctypes.CDLL:
+    build = native_build()
+    extra = sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
+    source = (_CSRC / "host_dspark.c").read_text()
+    key = cpu_key() + (_CSRC / "host.h").read_text()
+    errors = []
+    for march in _attempts(build):
+        try:
+            path = build_library(cache_root() / "native", "dspark_unit", source,
+                                 _BASE_FLAGS + [f"-I{_CSRC}"] + march + extra, ["-lm"], key=key)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError) as exc:
+            errors.append(f"{' '.join(march) or 'baseline'}: {exc}")
+            continue
+        lib.ds_commit.argtypes = [POINTER(_Model), c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p]
+        lib.ds_commit.restype = c_int
+        lib.ds_draft.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 5 + [c_int64] + [c_void_p] * 4
+        lib.ds_draft.restype = c_int
+        return lib
+    raise RuntimeError("; ".join(errors))
+
+
+_library = OnceLibrary(_load, log, "native DSpark drafter unavailable (%s); the torch drafter runs")
+
+
+def library() -> ctypes.CDLL | None:
+    return _library.get()
+
+
+def _fp32(t) -> torch.Tensor | None:
+    """A host fp32 tensor as the C forward reads it (contiguous), or None when it is not one."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return t.contiguous()
+
+
+def unsupported(weights: DSparkWeights, target) -> str | None:
+    """Why the C forward cannot run this drafter beside this target (None: it can)."""
+    cfg = weights.config
+    if library() is None:
+        return "the native library could not be built"
+    for s, st in enumerate(weights.stages):
+        for name in _STAGE:
+            if name in st and _fp32(st[name]) is None:
+                return f"stage {s} tensor {name} is not an fp32 host tensor ({type(st[name]).__name__})"
+    for t in (target.model.embed_tokens.weight, target.lm_head.weight):
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            return "the shared embedding / LM head is not fp32 on the host"
+    if cfg.trunk.scoring_func not in _SCORING:
+        return f"scoring function {cfg.trunk.scoring_func!r}"
+    if (cfg.window > MAX_WINDOW or cfg.trunk.hc_mult > MAX_HC or cfg.n_routed_experts > MAX_EXPERTS
+            or cfg.block_size * cfg.n_activated_experts > MAX_ROUTES):
+        return "a width beyond host_dspark.c's stack arrays"
+    return None
+
+
+class NativeDSpark:
+    """The C drafter bound to one drafter's weights, the target's shared embedding and head, and one
+    ``DSparkRings`` pool (whose tensors the C calls read and write in place)."""
+
+    def __init__(self, weights: DSparkWeights, target, rings: DSparkRings):
+        why = unsupported(weights, target)
+        if why is not None:
+            raise RuntimeError(f"native DSpark drafter: {why}")
+        self.lib, self.weights, self.rings = library(), weights, rings
+        cfg, tc = weights.config, weights.config.trunk
+        last = weights.stages[-1]
+        lm = target.lm_head.weight
+        lm_kn = lm.dim() == 2 and lm.stride() == (1, lm.shape[0])  # stored [D, V] (host_forward's in-place transpose)
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer below points into
+        self._stages = (_Stage * len(weights.stages))(*[
+            _Stage(*[self._ptr(st.get(name)) for name in _STAGE]) for st in weights.stages])
+        st0 = weights.stages[0]
+        shared = st0.get("ffn.shared_experts.w1.weight")
+        dims = dict(D=tc.hidden_size, hc=tc.hc_mult, H=tc.num_heads, hd=tc.head_dim, rd=tc.rope_dim,
+                    q_lora=tc.q_lora_rank, o_groups=tc.o_groups, o_lora=tc.o_lora_rank, n_exp=cfg.n_routed_experts,
+                    top_k=cfg.n_activated_experts, inter=st0["experts.gate_up"].shape[1] // 2,
+                    sh_inter=0 if shared is None else shared.shape[0], V=lm.shape[0], iters=tc.hc_sinkhorn_iters,
+                    scoring=_SCORING[tc.scoring_func], norm_topk=int(tc.norm_topk_prob), W=cfg.window,
+                    S=cfg.n_stages, B=cfg.block_size, rank=cfg.markov_rank, L=len(cfg.target_layer_ids),
+                    noise=cfg.noise_token_id, lm_kn=int(lm_kn), capacity=rings.capacity)
+        d = _Dims(*[dims[n] for n in _DIMS], tc.rms_norm_eps, tc.hc_eps, tc.swiglu_limit, tc.routed_scaling_factor)
+        heads = [st0["main_proj.weight"], st0["main_norm.weight"], last["norm.weight"], last["hc_head_fn"],
+                 last["hc_head_base"], last["hc_head_scale"], last["markov_head.markov_w1.weight"],
+                 last["markov_head.markov_w2.weight"], last["confidence_head.proj.weight"],
+                 target.model.embed_tokens.weight, lm, _rope_freqs(cfg, "cpu")]
+        self.model = _Model(d, self._stages, *[self._ptr(t, raw=(i == 10 and lm_kn)) for i, t in enumerate(heads)])
+        self.vocab, self.block, self.hidden = dims["V"], cfg.block_size, tc.hidden_size
+
+    def _ptr(self, t: torch.Tensor | None, raw: bool = False) -> int | None:
+        if t is None:
+            return None
+        t = t if raw else _fp32(t)
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def commit(self, slots: torch.Tensor, positions: torch.Tensor, captured: torch.Tensor) -> None:
+        """Ring rows of ``captured [N, L * D]`` at ``positions [N]`` for pool ``slots [N]`` (dspark.commit)."""
+        captured = captured.reshape(captured.shape[0], -1).float().contiguous()
+        positions, slots = positions.contiguous(), slots.contiguous()
+        if self.lib.ds_commit(ctypes.byref(self.model), positions.shape[0], captured.data_ptr(), positions.data_ptr(),
+                              slots.data_ptr(), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
+            raise MemoryError("native DSpark commit: out of memory")
+
+    def draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor, greedy: bool):
+        """``(base [R, B, V], hidden [R, B, D], tokens [R, B] | None, confidence [R, B] | None)``: the
+        block's head logits and ``hc_head`` output per request, and, when ``greedy``, its argmax Markov
+        tokens and confidences."""
+        n = anchors.shape[0]
+        base = torch.empty(n, self.block, self.vocab)
+        hidden = torch.empty(n, self.block, self.hidden)
+        tokens = torch.empty(n, self.block, dtype=torch.long) if greedy else None
+        conf = torch.empty(n, self.block) if greedy else None
+        anchors, anchor_positions, slots = anchors.contiguous(), anchor_positions.contiguous(), slots.contiguous()
+        rc = self.lib.ds_draft(ctypes.byref(self.model), n, anchors.data_ptr(), anchor_positions.data_ptr(),
+                               slots.data_ptr(), self.rings.kv.data_ptr(), self.rings.pos.data_ptr(), int(greedy),
+                               base.data_ptr(), hidden.data_ptr(), None if tokens is None else tokens.data_ptr(),
+                               None if conf is None else conf.data_ptr())
+        if rc != 0:
+            raise MemoryError("native DSpark draft: out of memory")  # the limits were checked in unsupported
+        return base, hidden, tokens, conf
