@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds4serve.engine.ngram import propose
+from ds4serve.engine.ngram import SuffixIndex, propose
 
 
 def oracle(tokens: list[int], k: int, min_n: int, max_n: int, window: int) -> tuple[int, ...]:
@@ -103,3 +103,33 @@ def test_examples():
         propose([1, 2], 3, 0, 2)
     with pytest.raises(ValueError):
         propose([1, 2], 3, 3, 2)
+
+
+@given(sequences, st.integers(0, 7), st.integers(1, 4), st.integers(0, 3), st.integers(1, 70),
+       st.lists(st.integers(1, 9), max_size=12))
+@settings(**settings_)
+def test_the_suffix_index_proposes_what_the_rule_does_at_every_prefix(tokens, k, min_n, extra, window, steps):
+    """``SuffixIndex`` fed a growing stream (a token at a time, or several: accepted drafts) proposes
+    exactly ``propose``'s answer at every length; a stream that does not extend the last one (a new
+    request in the slot) starts it over."""
+    max_n = min_n + extra
+    index = SuffixIndex(min_n, max_n, window)
+    at, cuts = 0, []
+    for s in steps:
+        at = min(len(tokens), at + s)
+        cuts.append(at)
+    for m in cuts + list(range(at, len(tokens) + 1)):
+        split = m // 2  # a prompt and an output
+        got = index.propose(tokens[:split], tokens[split:m], k=k)
+        assert got == oracle(tokens[:m], k, min_n, max_n, window), m
+    other = [t + 1 for t in tokens]
+    assert index.propose(other, k=k) == oracle(other, k, min_n, max_n, window)
+
+
+def test_the_suffix_index_stays_bounded_by_its_window():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=3000).tolist()
+    index = SuffixIndex(1, 3, window=64)
+    for m in range(1, len(tokens) + 1, 7):
+        assert index.propose(tokens[:m], k=5) == oracle(tokens[:m], 5, 1, 3, 64)
+    assert len(index._last) <= 4 * 64 + 3 * 8

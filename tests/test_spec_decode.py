@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ds4serve.config import ConfigError
+from ds4serve.engine.ngram import propose
 from ds4serve.engine.plan import DecodeRow, PassMember, PassSlice, StepPlan
 from ds4serve.engine.sampling import SamplerState, SamplingParams
 from ds4serve.scheduler.spec import RequestSpec
@@ -39,7 +40,7 @@ class _Slot:
 
 
 def _step(core, step_id: int, decodes=(), passes=()):
-    result = core.engine.step(StepPlan(step_id, tuple(decodes), tuple(passes)))
+    result = core.executor.step(StepPlan(step_id, tuple(decodes), tuple(passes)))
     assert result.error is None, result.error
     return {t.slot: t for t in result.tokens}
 
@@ -211,7 +212,8 @@ def test_drafting_turns_down_as_the_batch_fills():
     assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
     window = DraftPolicy(k=4, min_n=1, max_n=3, window=4, max_rows=7, vocab_size=1000)
     one = decoders(1, 1.0)[0]
-    assert window._history(one) == [3, 1, 2, 3]  # the last 4 of prompt + output, nothing copied beyond
+    # prompt lookup within the last 4 of prompt + output ([3, 1, 2, 3]): the suffix 3 recurs at its start
+    assert window._lookup(one, 4) == propose(one.prompt_ids + one.output_ids, 4, 1, 3, 4) == (1, 2, 3)
     low = decoders(64, 0.3)  # below it: one token every PROBE_EVERY steps, so the rate can recover
     plans = [policy.plan(low, limits, step=s) for s in range(1, 2 * PROBE_EVERY + 1)]
     drafted = [i for i, p in enumerate(plans) if p]
@@ -236,4 +238,4 @@ def test_a_drafter_the_checkpoint_lacks_is_refused(llm_factory):
         llm_factory("A", speculative=json.dumps({"method": "dspark"}))
     with pytest.raises(ConfigError, match="claims an MTP block, but the checkpoint has no mtp.0"):
         llm_factory("A", speculative=json.dumps({"method": "mtp"}))
-    assert llm_factory("A", speculative="auto", warmup=False).core.engine.drafts is None
+    assert llm_factory("A", speculative="auto", warmup=False).core.executor.drafts is None

@@ -93,8 +93,10 @@ def _decoders(n: int, rate: float) -> list[Request]:
 
 def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks():
     """A checkpoint drafter's block costs its forward whether or not it is verified: with the bundled
-    model's figures (a 0.5 ms step, a 2.3 ms draft) no acceptance rate pays for one stream, so blocks
-    are drafted only when a probe is due; a cheap drafter keeps drafting."""
+    model's figures (a 0.5 ms step, a 2.3 ms draft) no acceptance rate pays for one stream, so no block
+    is drafted, not even for a probe, and the request's rows are not captured (``follows``); a drafter
+    whose bar is below 1 but above the request's rate drafts only when a probe is due; a cheap drafter
+    keeps drafting."""
     from ds4serve.scheduler.step_costs import StepCosts
 
     costs = (4.5e-4, 1.1e-4, 1.0e-4)
@@ -103,7 +105,12 @@ def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks()
     assert worth(1, costs, 2.3e-3 / 4) > 1 > 0.9 > worth(1, costs, 2e-5)
     assert policy.wants_block(req, 1, costs, 2e-5, 512)
     assert not policy.pays(req, 1, costs, 2.3e-3, 512)
+    assert policy.follows(req, 1, costs, 2e-5, 512) and not policy.follows(req, 1, costs, 2.3e-3, 512)
     due = [policy.wants_block(req, 1, costs, 2.3e-3, 512, step) for step in range(2 * PROBE_EVERY)]
+    assert sum(due) == 0  # no rate can pay: no probe either
+    assert 0.9 < worth(1, costs, 1.7e-3 / 4) < 1  # some rate could pay, not this one's: it probes
+    assert policy.follows(req, 1, costs, 1.7e-3, 512) and not policy.pays(req, 1, costs, 1.7e-3, 512)
+    due = [policy.wants_block(req, 1, costs, 1.7e-3, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 2 and due[PROBE_EVERY - 1]  # only before a probe step
     ngram = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
     assert not ngram.wants_block(req, 1, costs, 0.0, 512)  # n-gram proposals cost no drafter forward

@@ -9,7 +9,7 @@ that asks for prompt logprobs (``PassMember.prompt_logprobs``) also gets, when i
 raw logprob of each of its ``targets`` (``PromptLogprobs``): the LM head runs over all its rows.
 
 Rules:
-* One thread owns model state: the engine loop calls ``Engine.step`` and nothing else touches the
+* One thread owns model state: the engine loop calls ``Executor.step`` and nothing else touches the
   state tensors concurrently.
 * Nothing about HTTP, tokenizers or request bookkeeping crosses this boundary; the engine knows
   slots, positions, token ids and sampler state, nothing else.
@@ -39,6 +39,9 @@ class DecodeRow:
     # a checkpoint drafter drafts this sequence's next block after the step (the scheduler's call: a block
     # costs a drafter forward whether or not it is verified)
     propose: bool = True
+    # a checkpoint drafter keeps this sequence's committed rows (the forward's captures) this step; a step
+    # where no decoder follows and no pass runs skips the capture split: a plain step (``capture.py``)
+    follow: bool = True
 
     @property
     def rows(self) -> int:

@@ -1,6 +1,7 @@
 """Which decoders carry a draft this step, and how long (speculative decoding, issue 28).
 
-Drafts come from prompt lookup here (``source="ngram"``: ``engine.ngram.propose``) or from the
+Drafts come from prompt lookup here (``source="ngram"``: ``engine.ngram.propose``'s rule, kept
+as a per-request ``SuffixIndex``) or from the
 checkpoint's drafter (``source="model"``): the block the engine drafted for this very row after the last
 step (``Request.proposal``), cut where the drafter's survival estimate falls below ``confidence``.
 
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine.drafted import draftable
-from ..engine.ngram import propose
+from ..engine.ngram import SuffixIndex
 from .admission import SchedulerLimits
 from .request import Request
 
@@ -67,7 +68,11 @@ class DraftPolicy:
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
-            probe = not self.pays(req, len(decoders), costs, block_cost, limits.max_model_len)
+            bar = self.bar(req, len(decoders), costs, block_cost, limits.max_model_len)
+            if bar >= 1.0:  # no acceptance rate can pay beside this many decoders: not even a probe
+                req.draft_skipped += 1
+                continue
+            probe = not req.draft_rate > bar
             if probe:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
                 if step % PROBE_EVERY:
@@ -75,25 +80,40 @@ class DraftPolicy:
             n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
                 continue
-            draft = self._proposal(req, n) if self.source == "model" else \
-                propose(self._history(req), n, self.min_n, self.max_n, self.window)
+            draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)
             draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
         return out
 
-    def pays(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
-        """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders: ``worth``, with a
-        checkpoint drafter's cost of drafting the block spread over the tokens it would verify."""
+    def bar(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> float:
+        """The acceptance rate ``req``'s draft must beat beside ``n`` decoders: ``worth``, with a checkpoint
+        drafter's cost of drafting the block spread over the tokens it would verify. 1 or more: no rate
+        can pay, so the request neither drafts nor probes (a probe could only confirm a loss)."""
         extra = block_cost / max(1, self._length(req, max_model_len)) if self.source == "model" else 0.0
-        return req.draft_rate > worth(n, costs, extra)
+        return worth(n, costs, extra)
+
+    def pays(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+        """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders (``bar``)."""
+        return req.draft_rate > self.bar(req, n, costs, block_cost, max_model_len)
+
+    def follows(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+        """Whether a checkpoint drafter keeps ``req``'s committed rows this step (``DecodeRow.follow``): while
+        some acceptance rate could pay (``bar`` below 1), as the request drafts or probes from them. Once
+        none can (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
+        the drafter's rings then miss those positions and the request drafts again only once they are
+        whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
+        if self.source != "model" or not draftable(req.sampler):
+            return False
+        return self.bar(req, n, costs, block_cost, max_model_len) < 1.0
 
     def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
                     step: int = 0) -> bool:
         """Whether a checkpoint drafter should draft ``req``'s next block after step ``step``: when its
-        rate pays, or when the next step probes (a block costs a drafter forward, verified or not)."""
-        if self.source != "model" or not draftable(req.sampler):
+        rate pays, or when the next step probes (a block costs a drafter forward, verified or not); never
+        when no rate could pay (``follows``)."""
+        if not self.follows(req, n, costs, block_cost, max_model_len):
             return False
         return self.pays(req, n, costs, block_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
 
@@ -107,13 +127,12 @@ class DraftPolicy:
                     len(req.proposal_survival) if req.proposal_survival else len(req.proposal))
         return req.proposal[:min(n, sure)]
 
-    def _history(self, req: Request) -> list[int]:
-        """The last ``window`` tokens of prompt + output (what ``propose`` searches), without copying the
-        whole context every step."""
-        out = req.output_ids
-        if len(out) >= self.window:
-            return out[-self.window:]
-        return req.prompt_ids[max(0, len(req.prompt_ids) - self.window + len(out)):] + out
+    def _lookup(self, req: Request, n: int) -> tuple[int, ...]:
+        """Up to ``n`` tokens by prompt lookup (``engine.ngram.propose``'s rule over prompt + output) from
+        the request's own index, which takes in only the tokens added since its last draft."""
+        if req.ngram is None:
+            req.ngram = SuffixIndex(self.min_n, self.max_n, self.window)
+        return req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
 
     def _length(self, req: Request, max_model_len: int) -> int:
         """The longest draft worth verifying for ``req``: its rate's share of ``k``, within what it may

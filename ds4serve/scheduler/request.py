@@ -68,7 +68,7 @@ class Request:
     slot: int | None = None
     computed: int = 0  # input positions whose state is in the cache
     pass_id: int | None = None  # the multi-step pass this request is in
-    snapshot: Any = None  # HostSnapshot while SUSPENDED
+    suspended: Any = None  # SuspendedSeq while SUSPENDED (its rows and pages on the host)
     error: str | None = None
     preemptions: int = 0
     first_token_at: float | None = None
@@ -87,6 +87,7 @@ class Request:
     proposal: tuple[int, ...] = ()  # a model drafter's block, drafted for the decode row at ``proposal_at``
     proposal_at: int = -1
     proposal_survival: tuple[float, ...] = ()  # the drafter's confidence product at each block position
+    ngram: Any = None  # its prompt-lookup index (engine.ngram.SuffixIndex), made at its first n-gram draft
     # prompt logprobs as the prefill steps report them: entry i scores prompt token i + 1 (engine.plan's
     # PromptLogprobs); delivered with the first output (``prompt_lp_sent``), never computed again after that
     prompt_lp: list = field(default_factory=list)

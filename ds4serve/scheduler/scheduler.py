@@ -199,14 +199,17 @@ class Scheduler(MemoryPressure):
             if not self._preempt():
                 break
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
-                          r.sampler, drafts.get(r.request_id, ()), self._wants_block(r, len(decoders)))
+                          r.sampler, drafts.get(r.request_id, ()), *self._drafter_turn(r, len(decoders)))
                 for r in decoders]
 
-    def _wants_block(self, req: Request, n: int) -> bool:
-        """Whether a checkpoint drafter drafts ``req``'s next block after this step (``DraftPolicy``)."""
+    def _drafter_turn(self, req: Request, n: int) -> tuple[bool, bool]:
+        """``(propose, follow)`` of ``req``'s decode row (``DraftPolicy.wants_block`` and ``follows``):
+        whether a checkpoint drafter drafts its next block after this step, and keeps its rows."""
         d = self.drafting
-        return d is not None and d.wants_block(req, n, self.step_costs.costs(), self.step_costs.block_cost,
-                                               self.limits.max_model_len, self._schedules)
+        if d is None or d.source != "model":
+            return False, False
+        costs, block, top = self.step_costs.costs(), self.step_costs.block_cost, self.limits.max_model_len
+        return d.wants_block(req, n, costs, block, top, self._schedules), d.follows(req, n, costs, block, top)
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
@@ -474,9 +477,9 @@ class Scheduler(MemoryPressure):
             req.slot = None
         elif req in self.parked:
             self.parked.remove(req)
-            if req.snapshot is not None:
-                self.cache.release_snapshot(req.snapshot)
-                req.snapshot = None
+            if req.suspended is not None:
+                self.cache.release_suspended(req.suspended)
+                req.suspended = None
         elif req in self.waiting:
             self.waiting.remove(req)
         self.quarantine.clear(req)
