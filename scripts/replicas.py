@@ -5,6 +5,7 @@
     python scripts/replicas.py -n 3 --port 9000 --serve-args "--max-seqs 32"
     python scripts/replicas.py --policy round_robin   # the same, routed without regard to prefixes
     python scripts/replicas.py --bench-rounds 5       # multi-turn bench: one server vs cache_aware vs round_robin
+    python scripts/replicas.py --bench-rounds 3 --bench-policies cache_aware,consistent_hash,round_robin
 
 Clients talk to the router (``http://127.0.0.1:PORT/v1``) exactly as to one server. The default
 policy, ``cache_aware``, keeps a prefix tree per replica of the prompts it sent there, keyed on the
@@ -17,6 +18,13 @@ a conversation may change replicas once, at its first image.) It balances load o
 system prompt all go to one replica until then: with a few clients pass
 ``--router-args "--balance-abs-threshold 1"``. The replicas listen on the ports after the router's
 (``--port`` + 1, + 2, ...).
+
+``consistent_hash`` is the other policy with affinity: it hashes a session key onto a ring of the
+replicas, the first of the headers ``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``, ``X-Request-ID``...
+or the body's ``session_params.session_id`` / ``user``, and without one the whole request body, which
+changes every turn (no affinity). It needs clients that send such a key (the multi-turn bench sends
+``X-Session-ID`` per conversation), never moves a conversation for load, and spreads conversations by
+hash whatever prefix they share; ``cache_aware`` needs nothing from the client.
 
 Why vllm-router (and not sglang-router): both wheels forward the OpenAI routes to HTTP workers and
 both have a cache-aware policy, but vllm-router's asks the worker itself for the prompt's token ids
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -197,9 +206,13 @@ class Replicas:
         self.stop()
 
 
-# `--bench-rounds`: the same multi-turn conversations against each of these (label, replicas, policy)
-BENCH_TARGETS = (("one server", 1, None), ("2 replicas, cache_aware", 2, "cache_aware"),
-                 ("2 replicas, round_robin", 2, "round_robin"))
+ONE_SERVER = "one server"
+
+
+def bench_targets(n: int, policies: Sequence[str]) -> list[tuple[str, int, str | None]]:
+    """`--bench-rounds`: the same multi-turn conversations against one plain server, then against
+    ``n`` replicas behind the router under each policy: (label, replicas, policy or None)."""
+    return [(ONE_SERVER, 1, None)] + [(f"{n} replicas, {p}", n, p) for p in policies]
 
 
 def bench_once(fleet: Replicas, seed: int, bench_args: Sequence[str], out: Path) -> dict | None:
@@ -216,19 +229,24 @@ def bench_once(fleet: Replicas, seed: int, bench_args: Sequence[str], out: Path)
     last = run["per_turn"][-1]
     if not last["completed"]:
         return None
-    return {"ttft_ms": last["ttft_ms_p50"], "cached": last["cached_tokens_mean"], "prompt": last["prompt_tokens_mean"]}
+    total = run["total"]
+    return {"ttft_ms": last["ttft_ms_p50"], "cached": last["cached_tokens_mean"], "prompt": last["prompt_tokens_mean"],
+            "ttft_all_ms": total["ttft_ms_p50"], "errors": total["requests"] - total["completed"]}
 
 
 def bench_compare(rounds: int, bench_args: Sequence[str], serve_args: Sequence[str], router_args: Sequence[str],
-                  port: int, log_dir: Path | None, out: Path) -> str:
-    """Start one server, 2 cache-aware replicas and 2 round-robin replicas side by side; run the
+                  port: int, log_dir: Path | None, out: Path, n: int = 2,
+                  policies: Sequence[str] = ("cache_aware", "round_robin")) -> str:
+    """Start one server and ``n`` replicas behind a router per policy, side by side; run the
     multi-turn bench against each in ``rounds`` interleaved rounds (round r uses seed r: fresh
-    conversations, on caches just dropped); a markdown table of the last turn's medians."""
+    conversations, on caches just dropped; every target sees the same load from the other helpers
+    of the machine, minute by minute); a markdown table of the last turn's medians."""
     fleets, base = [], port
-    for label, n, policy in BENCH_TARGETS:
-        fleets.append((label, Replicas(n=n, port=base, policy=policy or "cache_aware", with_router=policy is not None,
-                                       serve_args=serve_args, router_args=router_args, log_dir=log_dir)))
-        base += n + 1
+    for label, count, policy in bench_targets(n, policies):
+        fleets.append((label, Replicas(n=count, port=base, policy=policy or "cache_aware",
+                                       with_router=policy is not None, serve_args=serve_args,
+                                       router_args=router_args, log_dir=log_dir)))
+        base += count + 1
     rows: dict[str, list[dict]] = {label: [] for label, _ in fleets}
     with contextlib.ExitStack() as stack:
         for _, fleet in fleets:
@@ -237,21 +255,26 @@ def bench_compare(rounds: int, bench_args: Sequence[str], serve_args: Sequence[s
             for i, (label, fleet) in enumerate(fleets):
                 got = bench_once(fleet, r, bench_args, out / f"target{i}-round{r}")
                 rows[label] += [got] if got else []
-                print(f"round {r + 1}/{rounds} {label}: {got}", flush=True)
+                load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+                print(f"round {r + 1}/{rounds} {label}: {got} (1-min load average {load})", flush=True)
     return bench_table(rows)
 
 
 def bench_table(rows: dict[str, list[dict]]) -> str:
-    med = {label: {k: statistics.median(x[k] for x in got) for k in ("ttft_ms", "cached", "prompt")}
+    med = {label: {k: statistics.median(x.get(k, math.nan) for x in got)
+                   for k in ("ttft_ms", "cached", "prompt", "ttft_all_ms")}
            for label, got in rows.items() if got}
-    one, rr = med.get(BENCH_TARGETS[0][0]), med.get(BENCH_TARGETS[2][0])
+    one = med.get(ONE_SERVER)
+    rr = next((m for label, m in med.items() if label.endswith(", round_robin")), None)
     lines = ["| target | last-turn TTFT p50 ms (median; min-max over rounds) | x one server | x round_robin "
-             "| cached tokens | uncached (prefilled) tokens |", "|---|---|---|---|---|---|"]
+             "| cached tokens | uncached (prefilled) tokens | failed requests | all turns' TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for label, m in med.items():
         spread = [x["ttft_ms"] for x in rows[label]]
         lines.append(f"| {label} | {m['ttft_ms']:.0f} ({min(spread):.0f}-{max(spread):.0f}) "
                      f"| {m['ttft_ms'] / one['ttft_ms']:.2f} | {m['ttft_ms'] / rr['ttft_ms']:.2f} "
-                     f"| {m['cached']:.0f} of {m['prompt']:.0f} | {m['prompt'] - m['cached']:.0f} |"
+                     f"| {m['cached']:.0f} of {m['prompt']:.0f} | {m['prompt'] - m['cached']:.0f} "
+                     f"| {sum(x.get('errors', 0) for x in rows[label])} | {m['ttft_all_ms']:.0f} |"
                      if one and rr else f"| {label} | {m['ttft_ms']:.0f} | | | {m['cached']:.0f} | |")
     return "\n".join(lines)
 
@@ -277,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run `ds4serve bench serve --multi-turn` against one server, 2 cache-aware and 2 "
                         "round-robin replicas (started side by side from --port on), this many interleaved "
                         "rounds, print the last turn's TTFT and cached tokens, and exit")
+    b.add_argument("--bench-policies", default="cache_aware,round_robin",
+                   help="router policies to compare, comma-separated (e.g. cache_aware,consistent_hash,"
+                        "round_robin); each gets its own --replicas replicas")
     b.add_argument("--bench-args", default="", help="more `bench serve --multi-turn` flags, one string "
                    "(e.g. --bench-args='--no-images --conversations 3')")
     b.add_argument("--bench-out", type=Path, default=Path("bench-out/replicas"), help="each run's report here")
@@ -294,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.bench_rounds > 0:
         try:
+            policies = [p for p in args.bench_policies.split(",") if p]
+            unknown = [p for p in policies if p not in ROUTER_POLICIES]
+            if unknown:
+                raise RuntimeError(f"unknown --bench-policies {', '.join(unknown)}; "
+                                   f"choose from {', '.join(ROUTER_POLICIES)}")
             print(bench_compare(args.bench_rounds, shlex.split(args.bench_args), shlex.split(args.serve_args),
-                                shlex.split(args.router_args), args.port, args.log_dir, args.bench_out))
+                                shlex.split(args.router_args), args.port, args.log_dir, args.bench_out,
+                                n=args.replicas, policies=policies))
         except RuntimeError as exc:
             print(f"replicas.py: {exc}", file=sys.stderr)
             return 1

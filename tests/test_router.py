@@ -277,3 +277,70 @@ def test_a_killed_replica_costs_only_its_requests(replicas):
     assert elapsed < 90
     assert after == ["200"] * 6, after
     assert len(replicas.exited()) == 1
+
+
+@pytest.fixture(scope="module")
+def hashed(tmp_path_factory):
+    """Two replicas behind vllm-router's consistent_hash policy (affinity by a session key)."""
+    mod = _replicas_module()
+    reps = mod.Replicas(n=2, port=_free_block(2), policy="consistent_hash", router=ROUTER, health_interval_s=1,
+                        serve_args=["--served-model-name", "tiny", "--max-seqs", "8"],
+                        log_dir=tmp_path_factory.mktemp("hashed-logs"))
+    with reps:
+        yield reps
+
+
+@needs_router
+def test_consistent_hash_keeps_a_bench_conversation_by_its_session_header(hashed):
+    """The multi-turn bench sends each conversation's ``X-Session-ID``; consistent_hash keys on it, so
+    conversations spread over both replicas while all turns of one land on the same replica and every
+    turn after the first reuses the previous turn's prefix there. (This router build sends requests
+    without such a header, a body ``user`` field included, all to one replica: affinity without
+    spread.) One conversation at a time, so the replica whose prompt-token count moved is the one
+    that served it. The hash ring is built on the replicas' URLs, whose ports are free ones picked at
+    random, so which replica gets which conversation varies; 12 conversations all hashed to one
+    replica happens once in 2,048 runs."""
+    from ds4serve.bench import multiturn as mt
+
+    spec = mt.MultiTurnSpec(conversations=12, turns=2, system_tokens=300, user_words=20, max_tokens=8,
+                            images=False, seed=5)
+    plan = mt.prepare(hashed.router_url, "tiny", spec, None)
+
+    async def one(c: int) -> list:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await mt.run_conversation(client, hashed.router_url + "/v1/chat/completions", {}, "tiny",
+                                             plan, c, spec)
+
+    homes = set()
+    for c in range(spec.conversations):
+        before = [_prompt_tokens(u) for u in hashed.replica_urls]
+        records = asyncio.run(one(c))
+        moved = [i for i, u in enumerate(hashed.replica_urls) if _prompt_tokens(u) != before[i]]
+        assert [r.result.ok for r in records] == [True] * spec.turns, [r.result.error for r in records]
+        assert len(moved) == 1, f"conversation {c} was served by replicas {moved}"
+        homes.add(moved[0])
+        # the previous prompt's whole 256-token snapshot intervals (its last token, the generation
+        # prompt's end, may render differently once the answer follows it)
+        for prev, cur in zip(records, records[1:]):
+            assert cur.result.cached_tokens >= (prev.result.prompt_tokens - 1) // 256 * 256 > 0, (c, cur.turn)
+    assert homes == {0, 1}, "every conversation went to one replica: the session header was not used"
+
+
+def test_bench_table_ratios_against_one_server_and_round_robin():
+    """The `--bench-rounds` table: medians over rounds, each arm's TTFT over one server's and over
+    round robin's, uncached tokens, the failed requests summed over rounds, all turns' TTFT."""
+    mod = _replicas_module()
+    assert [t[0] for t in mod.bench_targets(2, ["cache_aware", "round_robin"])] == [
+        "one server", "2 replicas, cache_aware", "2 replicas, round_robin"]
+    rows = {"one server": [{"ttft_ms": 100.0, "cached": 900.0, "prompt": 1000.0, "errors": 0, "ttft_all_ms": 50.0},
+                           {"ttft_ms": 300.0, "cached": 900.0, "prompt": 1000.0, "errors": 0, "ttft_all_ms": 70.0},
+                           {"ttft_ms": 200.0, "cached": 900.0, "prompt": 1000.0, "errors": 0, "ttft_all_ms": 90.0}],
+            "2 replicas, cache_aware": [{"ttft_ms": 250.0, "cached": 900.0, "prompt": 1000.0, "errors": 1,
+                                         "ttft_all_ms": 80.0}],
+            "2 replicas, round_robin": [{"ttft_ms": 1000.0, "cached": 400.0, "prompt": 1000.0, "errors": 2,
+                                         "ttft_all_ms": 400.0}]}
+    lines = mod.bench_table(rows).splitlines()
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:]}
+    assert cells["one server"] == ["200 (100-300)", "1.00", "0.20", "900 of 1000", "100", "0", "70"]
+    assert cells["2 replicas, cache_aware"] == ["250 (250-250)", "1.25", "0.25", "900 of 1000", "100", "1", "80"]
+    assert cells["2 replicas, round_robin"] == ["1000 (1000-1000)", "5.00", "1.00", "400 of 1000", "600", "2", "400"]

@@ -209,6 +209,9 @@ async def run_conversation(client: httpx.AsyncClient, url: str, headers: dict, m
     answers: list[str] = []
     records = []
     users = plan.users[conversation]
+    # the conversation's id, as a chat client with sessions sends it: vllm-router's consistent_hash
+    # policy keys on this header (without one it hashes the whole body, which changes every turn)
+    headers = {**headers, "X-Session-ID": f"multiturn-{spec.seed}-{conversation}"}
     for turn in range(1, len(users) + 1):
         body = request_body(model, build_messages(plan.system, users[:turn], answers), spec.max_tokens,
                             spec.ignore_eos)
