@@ -84,3 +84,23 @@ def test_plans_refuse_unordered_layers_and_report_missing_captures():
         CapturePlan((), mean_hc=True)
     with pytest.raises(RuntimeError, match=r"layer\(s\) \[2\]"):
         CapturePlan((1, 2), mean_hc=True).rows({1: torch.zeros(2, 4)})
+
+
+def test_the_native_forward_captures_in_one_call_and_refuses_layers_outside_its_range(ckpt_factory, monkeypatch):
+    """A split forward costs a native call, a step view and a scratch plan per piece; the native path
+    captures inside one call, and a layer list it cannot honour is an error, never a silent skip."""
+    llm, _ = _twins(ckpt_factory, "on")
+    host, L = llm.core.executor.host, llm.core.cfg.num_layers
+    calls = []
+    real = host.lib.ds4_forward_captured
+    monkeypatch.setattr(host.lib, "ds4_forward_captured", lambda *a: calls.append(a) or real(*a))
+    got = _run(llm, CapturePlan(tuple(range(L)), mean_hc=True), _steps(llm.core.cfg.vocab_size))
+    assert len(calls) == len(got) == 4
+    cache, engine = llm.core.cache, llm.core.executor
+    slot = cache.alloc_slot()
+    assert cache.reserve({slot: 8})
+    view = engine._view([SeqChunk(slot, 0, [3, 4, 5], cache.block_table(slot))])
+    for layers, start, stop in (((1, 0), 0, L), ((L,), 0, L + 1), ((0,), 1, L)):
+        with pytest.raises(ValueError, match="captured layers"):
+            host.forward_captured(view, layers, True, start, stop)
+    cache.drop(slot)

@@ -55,6 +55,18 @@ class CapturePlan:
             streams = forward(streams, cursor, stop)
         return streams
 
+    def within(self, start: int, stop: int) -> tuple[int, ...]:
+        """The captured layers inside ``[start, stop)``."""
+        return tuple(layer for layer in self.layers if start <= layer < stop)
+
+    @staticmethod
+    def split(layers: tuple[int, ...], captured: torch.Tensor, into: dict[int, torch.Tensor]) -> None:
+        """``captured [T, len(layers) * W]`` from one forward (``HostForward.forward_captured``) into
+        ``into[layer]`` (views of it, one per layer)."""
+        width = captured.shape[1] // max(1, len(layers))
+        for j, layer in enumerate(layers):
+            into[layer] = captured[:, j * width:(j + 1) * width]
+
     def rows(self, into: dict[int, torch.Tensor]) -> torch.Tensor:
         """The captures of one forward, concatenated per row in ``layers`` order (every layer present)."""
         missing = [layer for layer in self.layers if layer not in into]

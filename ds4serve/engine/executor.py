@@ -171,7 +171,7 @@ class Executor:
         """Embedding + every layer: natively where the host decoder takes the view, else torch. With
         ``into`` and a ``capture`` plan (a model drafter's), the captured layers' outputs land there."""
         if into is not None and self.capture is not None:
-            return self.capture.run(functools.partial(self._segment, view, None), None, 0, self.num_layers, into)
+            return self._captured(view, None, None, 0, self.num_layers, into)
         if self.host is not None and self.host.takes(view):
             return self.host.forward(view)
         return self._decode_forward(view)
@@ -362,10 +362,22 @@ class Executor:
         ``capture`` plan, the captured layers in the range land in ``st.captured``."""
         if (self.host is None or not self.host.takes(st.view)) and st.rope is None:
             st.rope = self.model.rope_tables(st.view)
-        forward = functools.partial(self._segment, st.view, st.rope)
         if self.capture is not None:
-            return self.capture.run(forward, streams, start, stop, st.captured)
-        return forward(streams, start, stop)
+            return self._captured(st.view, st.rope, streams, start, stop, st.captured)
+        return self._segment(st.view, st.rope, streams, start, stop)
+
+    def _captured(self, view: BatchView, rope: RopeTables | None, streams: torch.Tensor | None, start: int,
+                  stop: int, into: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Layers ``[start, stop)`` with the ``capture`` plan's layers in the range landing in ``into``:
+        natively in one call, else a torch forward split after each captured layer (bit-equal either way
+        to the same layers run without captures)."""
+        assert self.capture is not None
+        if self.host is not None and self.host.takes(view):
+            layers = self.capture.within(start, stop)
+            streams, captured = self.host.forward_captured(view, layers, self.capture.mean_hc, start, stop, streams)
+            self.capture.split(layers, captured, into)
+            return streams
+        return self.capture.run(functools.partial(self._segment, view, rope), streams, start, stop, into)
 
     def _shrink(self, p: PassSlice, st: _PassState) -> None:
         """Members left the pass (aborted): continue with the rest, re-indexed for their rows only."""

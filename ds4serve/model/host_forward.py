@@ -104,6 +104,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_forward.argtypes = [POINTER(_Model), POINTER(_StepView), c_void_p, c_int64, c_int64, POINTER(_Arena),
                                 c_int]
     lib.ds4_forward.restype = c_int
+    lib.ds4_forward_captured.argtypes = [POINTER(_Model), POINTER(_StepView), c_void_p, c_int64, c_int64,
+                                         POINTER(_Arena), c_int, c_void_p, c_int64, c_int, c_void_p]
+    lib.ds4_forward_captured.restype = c_int
     lib.ds4_logits.argtypes = [POINTER(_Model), c_void_p, c_int64, c_void_p, POINTER(_Arena), c_int]
     lib.ds4_logits.restype = c_int
     lib.ds4_linear.argtypes = [c_void_p, c_int64, c_int64, POINTER(_Weight), c_int64, c_void_p, c_int64, c_int]
@@ -241,20 +244,35 @@ class HostForward:
         embedding when ``start`` is 0, else from ``streams [T, hc, D]`` (updated in place and returned).
         State tensors (rings, pools, snapshot rows) are written in place, exactly where the torch path
         writes them."""
+        return self.forward_captured(view, (), True, start, stop, streams)[0]
+
+    def forward_captured(self, view: BatchView, layers: tuple[int, ...], mean_hc: bool, start: int = 0,
+                         stop: int | None = None, streams: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` that also returns the outputs of ``layers`` (ascending, inside ``[start, stop)``)
+        for a model drafter, ``[T, len(layers) * W]`` in that order: W = D with ``mean_hc`` (the mean over
+        the hc copies), else hc * D (every copy). One native call: a forward split at each captured
+        layer costs a call, a step view and a scratch plan per piece."""
         if not self.takes(view):
             raise ValueError(f"the native forward takes at most {MAX_CAPTURES} prefix snapshots per forward")
         stop = self.cfg.num_layers if stop is None else stop
+        if list(layers) != sorted(set(layers)) or any(not start <= layer < min(stop, self.cfg.num_layers) for layer in layers):
+            raise ValueError(f"captured layers {layers} must be distinct, ascending and inside [{start}, {stop})")
+        T, hc, D = view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size
         keep: list[torch.Tensor] = []
         sv = self._step_view(view, keep)
         if start == 0:
-            streams = torch.empty(view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size)
+            streams = torch.empty(T, hc, D)
         elif streams is None or streams.dtype != torch.float32 or not streams.is_contiguous() \
-                or tuple(streams.shape) != (view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size):
+                or tuple(streams.shape) != (T, hc, D):
             raise ValueError("a forward from a middle layer needs its input streams [T, hc, D] (contiguous fp32)")
-        rc = self.lib.ds4_forward(byref(self.model), byref(sv), streams.data_ptr(), start, stop, byref(self._arena),
-                                  torch.get_num_threads())
+        captured = torch.empty(T, len(layers) * (D if mean_hc else hc * D))
+        ids = torch.tensor(layers, dtype=torch.int64)
+        rc = self.lib.ds4_forward_captured(byref(self.model), byref(sv), streams.data_ptr(), start, stop,
+                                           byref(self._arena), torch.get_num_threads(), ids.data_ptr(), len(layers),
+                                           int(mean_hc), captured.data_ptr() if layers else None)
         _check(rc)
-        return streams
+        return streams, captured
 
     def _step_view(self, view: BatchView, keep: list[torch.Tensor]) -> _StepView:
         sv = _StepView(T=view.num_tokens, Kw=view.swa_keys.shape[1], M=view.swa_dst.shape[0],

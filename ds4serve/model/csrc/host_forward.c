@@ -113,15 +113,51 @@ static int embed(const Model *m, const StepView *v, float *streams) {
     return 0;
 }
 
+/* one captured layer's output for a model drafter (engine/capture.py): every row's streams [hc, D] into
+   its slot of out [T, n_layers * width]; mean_hc: the plain mean over the hc copies summed in copy order
+   then divided (width D, what torch's mean over that dimension computes), else every copy (width hc * D) */
+static void capture_layer(const float *streams, int64_t T, int64_t hc, int64_t D, int64_t slot, int64_t n_layers,
+                          int mean_hc, float *out) {
+    int64_t width = mean_hc ? D : hc * D;
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = streams + t * hc * D;
+        float *o = out + (t * n_layers + slot) * width;
+        if (!mean_hc) {
+            memcpy(o, x, (size_t)width * 4);
+            continue;
+        }
+        for (int64_t d = 0; d < D; d++) {
+            float sum = x[d];
+            for (int64_t i = 1; i < hc; i++) sum += x[i * D + d];
+            o[d] = sum / (float)hc;
+        }
+    }
+}
+
+int ds4_forward_captured(const Model *m, const StepView *v, float *streams, int64_t start, int64_t stop, Arena *ar,
+                         int threads, const int64_t *cap_layers, int64_t n_cap_layers, int mean_hc, float *cap_out);
+
 /* layers [start, stop) of the step's rows on streams [T, hc, D] in place; with start 0 the streams
    are embedded first. 0 on success, -1 without memory, -2 for an id out of range (nothing written). */
 int ds4_forward(const Model *m, const StepView *v, float *streams, int64_t start, int64_t stop, Arena *ar,
                 int threads) {
+    return ds4_forward_captured(m, v, streams, start, stop, ar, threads, NULL, 0, 0, NULL);
+}
+
+/* ds4_forward that also copies the outputs of ``cap_layers`` (ascending, n_cap_layers of them, each in
+   [start, stop)) into cap_out as each finishes: one call where a split forward took one per capture */
+int ds4_forward_captured(const Model *m, const StepView *v, float *streams, int64_t start, int64_t stop, Arena *ar,
+                         int threads, const int64_t *cap_layers, int64_t n_cap_layers, int mean_hc, float *cap_out) {
     Scratch s;
     g_threads = threads > 0 ? threads : 1;
     if (v->n_comp < 0 || v->n_comp > DS4_MAX_RATIOS || v->n_vis < 0 || v->n_vis > DS4_MAX_RATIOS || v->n_cap < 0
         || v->n_cap > DS4_MAX_CAPTURES)
         return -3;
+    if (n_cap_layers < 0 || (n_cap_layers > 0 && !cap_out)) return -3;
+    for (int64_t j = 0; j < n_cap_layers; j++)
+        if (cap_layers[j] < start || cap_layers[j] >= stop || cap_layers[j] >= m->n_layers
+            || (j && cap_layers[j] <= cap_layers[j - 1]))
+            return -3;
     for (int64_t l = start; l < stop && l < m->n_layers; l++) {
         const Layer *L = &m->layers[l];
         if (L->kind != 0 && (L->comp_key < 0 || L->comp_key >= v->n_comp || L->vis_key < 0 || L->vis_key >= v->n_vis))
@@ -133,8 +169,13 @@ int ds4_forward(const Model *m, const StepView *v, float *streams, int64_t start
     }
     if (arena_reserve(ar, plan_scratch(m, v, ar, &s, 1)) != 0) return -1;
     plan_scratch(m, v, ar, &s, 0);
-    for (int64_t l = start; l < stop && l < m->n_layers; l++) layer_forward(m, &m->layers[l], v, streams, &s);
-    return 0;
+    int64_t next = 0;
+    for (int64_t l = start; l < stop && l < m->n_layers; l++) {
+        layer_forward(m, &m->layers[l], v, streams, &s);
+        if (next < n_cap_layers && cap_layers[next] == l)
+            capture_layer(streams, v->T, m->d.hc, m->d.hidden, next++, n_cap_layers, mean_hc, cap_out);
+    }
+    return next == n_cap_layers ? 0 : -3;
 }
 
 /* DS4ForCausalLM.logits: hc_head, the final norm, the LM head -> logits [N, vocab] */
