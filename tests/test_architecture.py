@@ -109,10 +109,23 @@ def test_model_and_decode_path_have_no_host_syncs_or_prints():
     assert not problems, problems
 
 
-def test_files_stay_small():
-    """No module over ~600 lines without a reason."""
-    big = [(f.relative_to(PKG), n) for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600]
-    assert not big, big
+# modules and functions allowed past the limits below, each with its written reason (none today)
+LONG_MODULES: dict[str, str] = {}
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def test_files_and_functions_stay_small():
+    """No module over 500 lines and no function over 60 without a written reason (``LONG_*`` above)."""
+    big, long = [], []
+    for f in PKG.rglob("*.py"):
+        src, name = f.read_text(), str(f.relative_to(PKG))
+        if len(src.splitlines()) > 500 and name not in LONG_MODULES:
+            big.append((name, len(src.splitlines())))
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno >= 60 and f"{name}:{node.name}" not in LONG_FUNCTIONS:
+                long.append((f"{name}:{node.name}", node.end_lineno - node.lineno + 1))
+    assert not big and not long, (big, long)
 
 
 def _circles(imports: dict[str, set[str]]) -> list[list[str]]:

@@ -108,6 +108,16 @@ class DraftPolicy:
             return False
         return self.bar(req, n, costs, block_cost, max_model_len) < 1.0
 
+    def turn(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
+             step: int) -> tuple[bool, bool]:
+        """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders: whether a checkpoint
+        drafter drafts its next block after this step (``wants_block``), and keeps its rows (``follows``);
+        neither for n-gram drafts, which are looked up here when a step is planned."""
+        if self.source != "model":
+            return False, False
+        return (self.wants_block(req, n, costs, block_cost, max_model_len, step),
+                self.follows(req, n, costs, block_cost, max_model_len))
+
     def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
                     step: int = 0) -> bool:
         """Whether a checkpoint drafter should draft ``req``'s next block after step ``step``: when its

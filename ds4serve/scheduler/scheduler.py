@@ -2,19 +2,18 @@
 
 Each iteration ``schedule()`` builds one ``StepPlan`` in phases (each one helper):
 
-1. resume parked/suspended requests, oldest first, then admit waiting ones (FIFO) while a slot and
-   pages are free;
-2. plan every decoder of the step's *lane* exactly once, reserving its page growth; when pages are
-   short, escalate on the cheapest running request to rebuild (text before images, then the newest;
-   never one inside a pass): suspend it to host memory, else drop it for recompute (only if its
-   whole input is retained), else fail it alone with a clear error;
-3. spend what is left of the step budget (row-layers) on prefill: passes in flight advance by
-   layer slices, new text prefill advances by token chunks (or starts a layer-sliced pass); with no
-   decoder live a prefill runs whole.
+1. resume parked/suspended requests, oldest first, then admit waiting ones (FIFO) while a slot and pages are free;
+2. plan every decoder of the step's *lane* exactly once, reserving its page growth; when pages are short,
+   escalate on the cheapest running request to rebuild (text before images, then the newest; never one
+   inside a pass): suspend it to host memory, else drop it for recompute (only if its whole input is
+   retained), else fail it alone with a clear error;
+3. spend what is left of the step budget (row-layers) on prefill: passes in flight advance by layer slices,
+   new text prefill advances by token chunks (or starts a layer-sliced pass); with no decoder live a
+   prefill runs whole.
 
 The lane is everybody, except after a failed step: then suspects run in steps of their own (see
-``isolation.py``). ``apply(result)`` folds a step's result back into request state and returns the
-outputs to stream; a failed step is undone there. Only this class changes a request's status.
+``isolation.py``). ``apply(result)`` folds a step's result back into request state and returns the outputs
+to stream; a failed step is undone there. Only this class changes a request's status.
 """
 
 from __future__ import annotations
@@ -203,13 +202,11 @@ class Scheduler(MemoryPressure):
                 for r in decoders]
 
     def _drafter_turn(self, req: Request, n: int) -> tuple[bool, bool]:
-        """``(propose, follow)`` of ``req``'s decode row (``DraftPolicy.wants_block`` and ``follows``):
-        whether a checkpoint drafter drafts its next block after this step, and keeps its rows."""
-        d = self.drafting
-        if d is None or d.source != "model":
+        """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders (``DraftPolicy.turn``)."""
+        if self.drafting is None:
             return False, False
-        costs, block, top = self.step_costs.costs(), self.step_costs.block_cost, self.limits.max_model_len
-        return d.wants_block(req, n, costs, block, top, self._schedules), d.follows(req, n, costs, block, top)
+        return self.drafting.turn(req, n, self.step_costs.costs(), self.step_costs.block_cost,
+                                  self.limits.max_model_len, self._schedules)
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
