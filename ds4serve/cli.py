@@ -16,7 +16,7 @@ from pathlib import Path
 from .chat.dsml import EFFORT_PROMPTS
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
-from .settings import HOST_KERNEL_MODES, PACKED_MODES, EngineSettings
+from .settings import HOST_KERNEL_MODES, MOE_ACTIVATION_MODES, PACKED_MODES, EngineSettings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
 
@@ -34,6 +34,7 @@ _ENGINE_FLAGS = {
     "--decode-graphs": ("decode_graphs", str, "pure-decode steps as replayed CUDA graphs (auto: on for CUDA devices)"),
     "--host-kernels": ("host_kernels", str, "text forwards on the host as one native call per step: auto (where it "
                        "applies: host, float32, one process), on (fail where it cannot), off (the torch path)"),
+    "--moe-activations": ("moe_activations", str, "packed MXFP4 experts multiply int8 (as llama.cpp) or fp32 inputs"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool, "reuse the state of prompt prefixes seen before "
                                 "(vLLM's flag; --no-enable-prefix-caching turns it off)"),
@@ -57,6 +58,7 @@ _SERVER_FLAGS = {
     "--default-thinking": ("default_thinking", str, "DS4 thinking mode of chat requests that do not choose one"),
     "--no-webui": ("webui", bool, "do not serve the chat page at / (a 404 there)"),
 }
+_CHOICES = {"default_thinking": THINKING_MODES, "host_kernels": HOST_KERNEL_MODES, "moe_activations": MOE_ACTIVATION_MODES}
 
 
 class _DecodeGraphModes:
@@ -82,10 +84,8 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
         metavar = flag[2:].upper().replace("-", "_")
         if name == "decode_graphs":  # an explicit metavar keeps argparse from listing the modes at build time
             metavar, text, extra = "MODE", text + "; one of %(choices)s", {"choices": _DecodeGraphModes()}
-        elif name == "default_thinking":
-            metavar, extra = "on|off", {"choices": THINKING_MODES}
-        elif name == "host_kernels":
-            metavar, extra = "auto|on|off", {"choices": HOST_KERNEL_MODES}
+        elif name in _CHOICES:
+            metavar, extra = "|".join(_CHOICES[name]), {"choices": _CHOICES[name]}
         else:
             extra = {}
         if typ is bool:

@@ -50,6 +50,7 @@ def parse_bytes(value: str | int | None, name: str) -> int | None:
 
 
 HOST_KERNEL_MODES = ("auto", "on", "off")
+MOE_ACTIVATION_MODES = ("auto", "int8", "fp32")  # model/host_q8.py MOE_ACTIVATIONS (a test holds them equal)
 PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
 
 
@@ -143,6 +144,9 @@ class EngineSettings:
     # (model/host_forward.py): "auto" where it applies (host, fp32, one process; else the torch path,
     # reason logged), "on" (start-up fails where it cannot), "off" (the torch path always)
     host_kernels: str = "auto"
+    # packed MXFP4 experts in the native forward: "int8" multiplies on int8 activations (host_q8.c, as
+    # llama.cpp does), "fp32" on fp32 ones (exactly dequantise-at-load); "auto": int8 where it applies
+    moe_activations: str = "auto"
     # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
     # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
     enable_prefix_caching: bool = True
@@ -170,6 +174,8 @@ class EngineSettings:
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.prefix_interval >= 16, "prefix_interval must be >= 16 tokens"),
             (self.host_kernels in HOST_KERNEL_MODES, f"host_kernels must be one of {', '.join(HOST_KERNEL_MODES)}"),
+            (self.moe_activations in MOE_ACTIVATION_MODES,
+             f"moe_activations must be one of {', '.join(MOE_ACTIVATION_MODES)}"),
         ]
         for ok, msg in checks:
             if not ok:

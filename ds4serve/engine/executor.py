@@ -102,10 +102,11 @@ def _warn_spin_once() -> None:
 
 class Executor:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
-                 sample: bool = True, host_kernels: str = "off"):
+                 sample: bool = True, host_kernels: str = "off", moe_activations: str = "auto"):
         """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
         (and so the LM head) to rank 0. ``host_kernels``: text forwards as one native call where that
-        applies (``EngineSettings.host_kernels``)."""
+        applies (``EngineSettings.host_kernels``); ``moe_activations``: how it multiplies packed MXFP4
+        experts (``EngineSettings.moe_activations``)."""
         self.cfg = cfg
         self.sample = sample
         self.model = model
@@ -116,7 +117,7 @@ class Executor:
         state = cache.state
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
-        self.host = self._host_forward(host_kernels)
+        self.host = self._host_forward(host_kernels, moe_activations)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
 
@@ -125,10 +126,10 @@ class Executor:
         against their own ``q`` (decode graphs are not used with it: their fixed forward has no split)."""
         self.drafts, self.capture = drafts, drafts.plan
 
-    def _host_forward(self, mode: str) -> HostForward | None:
+    def _host_forward(self, mode: str, moe_activations: str) -> HostForward | None:
         if mode == "off" or self.model is None:
             return None
-        host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers)
+        host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers, moe_activations)
         if host is None:
             if mode == "on":
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
@@ -136,6 +137,9 @@ class Executor:
         else:
             log.info("native host forward on, built for %s: every forward (decode rows, prefill chunks, image "
                      "passes) runs as one native call", host_build())
+            if host.moe_activations == "int8":
+                log.info("packed MXFP4 experts multiply on int8 activations (%s kernel; --moe-activations fp32 "
+                         "for the dequantised weights' exact products)", host.lib.ds4_q8_kernel().decode())
             _warn_spin_once()
         return host
 

@@ -41,7 +41,7 @@ class _Layer(ctypes.Structure):
                 + _fields(_Weight, "i_kv", "i_gate", "i_q_b", "i_w") + _fields(c_void_p, "i_ape", "i_norm")
                 + _fields(_Weight, "gate") + _fields(c_void_p, "gate_bias", "bias_vl", "tid2eid")
                 + _fields(c_int64, "tid2eid_rows")
-                + _fields(c_void_p, "exp_gate_up", "exp_down") + _fields(c_int64, "exp_kn", "exp_packed")
+                + _fields(c_void_p, "exp_gate_up", "exp_down") + _fields(c_int64, "exp_kn", "exp_packed", "exp_q8")
                 + [("qgu_codes", c_void_p * 2), ("qgu_scales", c_void_p * 2)]
                 + _fields(c_void_p, "qdn_codes", "qdn_scales")
                 + [("qgu_rows", c_int64 * 2), ("qgu_parts", c_int64)]

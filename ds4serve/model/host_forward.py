@@ -20,6 +20,7 @@ readily, so both paths share one copy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from ctypes import POINTER, byref, c_int, c_int64, c_void_p
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch import nn
 from ..config import AttnKind, ModelConfig
 from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
+from . import host_q8
 from .batch import BatchView, LayerState
 from .host_abi import (MAX_CAPTURES, _Arena, _Capture, _CompView, _Dims, _Layer, _Model, _StepView, _VisView,
                        _Weight, abi)
@@ -97,6 +99,7 @@ def description() -> str | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_vector_width.restype = c_int
     lib.ds4_build_info.restype = ctypes.c_char_p
+    host_q8.bind(lib)
     lib.ds4_abi_names.restype = ctypes.c_char_p
     lib.ds4_abi.argtypes = [POINTER(c_int64), c_int64]
     lib.ds4_abi.restype = c_int64
@@ -187,10 +190,12 @@ def _packed_unsupported(stack, max_parts: int) -> str | None:
 class HostForward:
     """The native decode forward and LM head of one model over one ``ModelState``'s tensors."""
 
-    def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL):
-        self.cfg, self.lib = cfg, lib
+    def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL,
+                 moe_activations: str = "fp32"):  # "int8": packed experts interleaved for host_q8.c
+        self.cfg, self.lib, self.moe_activations = cfg, lib, moe_activations
         self.vw = lib.ds4_vector_width()
         self._keep: list[torch.Tensor] = []  # every tensor a pointer was taken from
+        self._q8_stacks: list[PackedExperts] = []  # stacks the int8 product reads, in layer order
         self.comp_keys = sorted({(r, cfg.attn_kinds[i] is AttnKind.CSA) for i, r in enumerate(cfg.compress_ratios) if r})
         self.ratios = list(cfg.distinct_ratios)
         self._states = states
@@ -211,15 +216,20 @@ class HostForward:
         self._arena, self._head_arena = _Arena(), _Arena()
 
     @classmethod
-    def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState]) -> tuple["HostForward | None", str]:
-        """The decoder, or ``(None, why not)``."""
+    def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
+               moe_activations: str = "auto") -> tuple["HostForward | None", str]:
+        """The decoder, or ``(None, why not)``; ``moe_activations``: ``host_q8.choose_moe_activations``."""
         lib = library()
         if lib is None:
             return None, f"the kernels could not be built ({_library.failure})"
         why = unsupported(cfg, model, states, lib.ds4_limits)
         if why is not None:
             return None, why
-        return cls(cfg, model, states, lib), ""
+        mode = host_q8.choose_moe_activations(model, moe_activations, lib.ds4_limits)
+        return cls(cfg, model, states, lib, mode), ""
+
+    def q8_disagrees(self) -> str | None:  # the int8 product on the first layer's stacks (host_q8)
+        return host_q8.q8_disagrees(self.lib, self._q8_stacks[:2])
 
     def close(self) -> None:
         for arena in (self._arena, self._head_arena):
@@ -433,8 +443,13 @@ class HostForward:
                 self._weight(s.down_proj.weight)
 
     def _packed(self, out: _Layer, gate_up: PackedExperts, down: PackedExperts) -> None:
-        """MXFP4 stacks read where they are (codes and scales as loaded; nothing is copied)."""
-        out.exp_packed, out.qgu_parts = 1, len(gate_up.parts)
+        """MXFP4 stacks read where they are (codes and scales as loaded, or rewritten in place into the
+        int8 product's layout; nothing is copied)."""
+        q8 = self.moe_activations == "int8"
+        for stack in (gate_up, down):
+            stack.interleave(q8, functools.partial(host_q8.interleave_part, self.lib))
+        self._q8_stacks += [gate_up, down] if q8 else []
+        out.exp_packed, out.exp_q8, out.qgu_parts = 1, int(q8), len(gate_up.parts)
         for i, p in enumerate(gate_up.parts):
             out.qgu_codes[i], out.qgu_scales[i] = self._ptr(p.codes), self._ptr(p.scales)
             out.qgu_rows[i] = p.codes.shape[1]

@@ -47,6 +47,8 @@ def _load() -> ctypes.CDLL:
     lib.ds4_rope_f32.restype = None
     lib.ds4_mxfp4_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
     lib.ds4_mxfp4_f32.restype = None
+    lib.ds4_mxfp4_q8_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+    lib.ds4_mxfp4_q8_f32.restype = None
     lib.ds4_fp8_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                                 ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     lib.ds4_fp8_f32.restype = None
@@ -118,6 +120,18 @@ def mxfp4_native(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | 
     rows = c.numel() // max(1, half)
     lib.ds4_mxfp4_f32(c.data_ptr(), s.data_ptr(), out.data_ptr(), rows, half, 2 * half // s.shape[-1])
     return out
+
+
+def mxfp4_interleaved_native(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> bool:
+    """``mxfp4_native`` for one expert's part in the int8 product's interleaved layout (``packed.
+    interleave_q8``): ``codes [rows, cols / 2]``, ``scales [rows, cols / 32]`` into ``out [rows, cols]``
+    (contiguous fp32); False where the C kernels are not here."""
+    lib = library() if enabled else None
+    if lib is None or torch.compiler.is_compiling():
+        return False
+    rows, cols = out.shape
+    lib.ds4_mxfp4_q8_f32(codes.contiguous().data_ptr(), scales.contiguous().data_ptr(), out.data_ptr(), rows, cols)
+    return True
 
 
 def _split_rows(rows: int, parts: int, align: int) -> list[tuple[int, int]]:

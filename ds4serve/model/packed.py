@@ -31,6 +31,46 @@ FORMATS = ("mxfp4", "fp8")
 class PackedPart:
     codes: torch.Tensor  # [E, rows, cols / 2] uint8 (MXFP4) or [E, rows, cols] float8 (FP8)
     scales: torch.Tensor  # [E, rows, cols / 32] (MXFP4) or [E, ceil(rows / b0), ceil(cols / b1)] (FP8)
+    interleaved: bool = False  # MXFP4 in the native int8 product's layout (interleave_q8), same shapes
+
+
+Q8_GROUP = 16  # output rows of one interleaved group (csrc/host_q8.c Q8_G, checked against ds4_abi)
+
+
+def interleave_q8(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """MXFP4 ``codes [E, R, K / 2]`` and ``scales [E, R, K / 32]`` rewritten in place into host_q8.c's layout
+    (one expert at a time, so the extra memory is one expert's nibbles): per group of 16 rows and block of
+    32 inputs, 4 vectors of 64 bytes whose byte 4j + r holds row j's input 8t + r (low nibble) and
+    8t + 4 + r (high nibble); scales as [group][block][16 rows]."""
+    E, R, half = codes.shape
+    K, G = 2 * half, R // Q8_GROUP
+    for e in range(E):
+        nib = torch.stack((codes[e] & 15, codes[e] >> 4), dim=-1).reshape(G, Q8_GROUP, K // 32, 4, 2, 4)
+        packed = nib[..., 0, :] | (nib[..., 1, :] << 4)  # [G, j, b, t, r]
+        codes[e].copy_(packed.permute(0, 2, 3, 1, 4).reshape(R, half))
+        scales[e].copy_(scales[e].reshape(G, Q8_GROUP, K // 32).permute(0, 2, 1).reshape(R, K // 32))
+
+
+def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [M, K]`` as host_q8.c multiplies them, in float64: per block of 32, round-half-even(x *
+    (127 / amax)) times amax / 127 (the kernel's integers and scale; a product of the two is exact in
+    float64). For checks of the kernel: the same inputs give it the same integers."""
+    M, K = x.shape
+    b = x.float().reshape(M, K // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv)
+    return (q.double() * (amax / 127.0).double()).reshape(M, K)
+
+
+def deinterleave_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``interleave_q8``, into new tensors (the torch path's view of interleaved experts)."""
+    E, R, half = codes.shape
+    K, G = 2 * half, R // Q8_GROUP
+    v = codes.reshape(E, G, K // 32, 4, Q8_GROUP, 4).permute(0, 1, 4, 2, 3, 5)  # [E, G, j, b, t, r]
+    nib = torch.stack((v & 15, v >> 4), dim=-2).reshape(E, R, K)  # inputs in order
+    plain = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    return plain, scales.reshape(E, G, K // 32, Q8_GROUP).permute(0, 1, 3, 2).reshape(E, R, K // 32)
 
 
 class PackedExperts:
@@ -63,6 +103,8 @@ class PackedExperts:
         for p in self.parts:
             codes, scales = (p.codes, p.scales) if every else (p.codes.index_select(0, experts),
                                                                 p.scales.index_select(0, experts))
+            if p.interleaved:
+                codes, scales = deinterleave_q8(codes, scales)
             if self.fmt == "mxfp4":
                 pieces.append(dequant_mxfp4(codes, scales, self.name))
             else:
@@ -73,7 +115,7 @@ class PackedExperts:
     def _take_native(self, experts: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
         """MXFP4 with byte scales on the host: each (expert, part) decoded by the C kernel straight into
         its rows of one fp32 result (no gather of codes, no concatenation); ``None`` elsewhere."""
-        from .native import mxfp4_native
+        from .native import mxfp4_interleaved_native, mxfp4_native
 
         if self.fmt != "mxfp4" or self.dtype != torch.float32 or self.device.type != "cpu" \
                 or any(p.scales.dtype != torch.uint8 for p in self.parts):
@@ -87,7 +129,10 @@ class PackedExperts:
             row = 0
             for p in self.parts:
                 n = p.codes.shape[1]
-                if mxfp4_native(p.codes[ids[k]], p.scales[ids[k]], out[k, row:row + n]) is None:
+                if p.interleaved:
+                    if not mxfp4_interleaved_native(p.codes[ids[k]], p.scales[ids[k]], out[k, row:row + n]):
+                        return False
+                elif mxfp4_native(p.codes[ids[k]], p.scales[ids[k]], out[k, row:row + n]) is None:
                     return False
                 row += n
             return True
@@ -99,6 +144,29 @@ class PackedExperts:
 
         with ThreadPoolExecutor(threads) as pool:  # the C loop releases the GIL: experts in parallel
             return out if all(pool.map(expert, range(len(ids)))) else None
+
+    def q8_unsupported(self) -> str | None:
+        """Why the native int8 product cannot read this stack (None: it can)."""
+        if self.fmt != "mxfp4" or self.device.type != "cpu":
+            return f"{self.fmt} experts on {self.device.type}"
+        for p in self.parts:
+            if p.scales.dtype != torch.uint8 or p.codes.shape[1] % Q8_GROUP or p.codes.shape[2] % 16:
+                return f"{self.name}: rows not in groups of {Q8_GROUP} or inputs not in blocks of 32"
+        return None
+
+    def interleave(self, on: bool, how=None) -> None:
+        """Every part into (``on``) or out of the native int8 product's layout, in place; ``how(codes,
+        scales)`` does the interleaving (default ``interleave_q8``; the host forward passes its C loop)."""
+        for p in self.parts:
+            if p.interleaved == on:
+                continue
+            if on:
+                (how or interleave_q8)(p.codes, p.scales)
+            else:
+                codes, scales = deinterleave_q8(p.codes, p.scales)
+                p.codes.copy_(codes)
+                p.scales.copy_(scales)
+            p.interleaved = on
 
     def __repr__(self) -> str:
         return f"PackedExperts({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB resident)"

@@ -127,7 +127,8 @@ def _engine(cfg: ModelConfig, model: DS4ForCausalLM | None, cache: CacheManager,
         return factory(cfg, model, cache)
     if s.decode_graphs == "cuda" and device.type != "cuda":
         raise ConfigError("decode_graphs='cuda' needs a CUDA device")
-    return Executor(cfg, model, cache, decode_graphs=s.decode_graphs, host_kernels=s.host_kernels)
+    return Executor(cfg, model, cache, decode_graphs=s.decode_graphs, host_kernels=s.host_kernels,
+                    moe_activations=s.moe_activations)
 
 
 def _log_sizes(parts: EngineParts, layout: StateLayout) -> None:

@@ -9,5 +9,6 @@
 #include "host_kernels.c"
 #include "host_stored.c"
 #include "host_packed.c"
+#include "host_q8.c"
 #include "host_layers.c"
 #include "host_forward.c"

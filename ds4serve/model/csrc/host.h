@@ -177,6 +177,7 @@ typedef struct {
     const float *exp_gate_up, *exp_down;  /* [E, 2I, D], [E, D, I]; with exp_kn stored [E, D, 2I], [E, I, D] */
     int64_t exp_kn;
     int64_t exp_packed;                   /* experts kept in MXFP4: read from these instead (host_packed.c) */
+    int64_t exp_q8;                       /* ... interleaved, on int8 activations (host_q8.c) */
     const uint8_t *qgu_codes[2], *qgu_scales[2], *qdn_codes, *qdn_scales;
     int64_t qgu_rows[2], qgu_parts;
     Weight sh_gate, sh_up, sh_down;

@@ -35,7 +35,8 @@ static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratc
     int64_t T = v->T, D = d->hidden, hc = d->hc, H = d->n_heads, hd = d->head_dim, n_mix = (2 + hc) * hc;
     int64_t Rmax = 0;
     for (int64_t i = 0; i < v->n_vis; i++) Rmax = max_i(Rmax, v->vis[i].R);
-    int64_t Kc = max_i(Rmax, d->idx_topk), P = T * d->top_k, I = d->moe_inter, Hi = d->idx_heads;
+    int64_t Kc = max_i(Rmax, d->idx_topk), P = T * d->top_k, I = d->moe_inter, Hi = d->idx_heads, q8 = 0;
+    for (int64_t l = 0; l < m->n_layers; l++) q8 |= m->layers[l].exp_q8;
     Need common[] = {
         {(void **)&s->flat, T * hc * D}, {(void **)&s->z, T * padded(n_mix)}, {(void **)&s->x, T * D},
         {(void **)&s->post, T * hc}, {(void **)&s->comb, T * hc * hc}, {(void **)&s->y, T * D},
@@ -53,6 +54,7 @@ static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratc
         {(void **)&s->e.logits, T * padded(d->n_experts)}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
         {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, max_i(P, T) * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
         {(void **)&s->e.idx, P * 2}, {(void **)&s->e.order, P * 2}, {(void **)&s->e.counts, (d->n_experts + 1) * 2},
+        {(void **)&s->e.xq, P * (q8 ? q8_row_bytes(D) / 4 : 0)}, {(void **)&s->e.hq, P * (q8 ? q8_row_bytes(I) / 4 : 0)},
     };
     int64_t base = lay_out(common, sizeof common / sizeof common[0], ar, dry);
     int64_t a = lay_out(attn, sizeof attn / sizeof attn[0], ar, dry);
@@ -211,7 +213,8 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
     X(CompView, sizeof(CompView)) X(VisView, sizeof(VisView)) X(Capture, sizeof(Capture))           \
     X(StepView, sizeof(StepView)) X(Arena, sizeof(Arena)) X(MAX_EXPERTS, DS4_MAX_EXPERTS)            \
     X(MAX_HC, DS4_MAX_HC) X(MAX_SPAN, DS4_MAX_SPAN) X(MAX_CAPTURES, DS4_MAX_CAPTURES)               \
-    X(MAX_RATIOS, DS4_MAX_RATIOS) X(MAX_GROUP_HEADS, DS4_MAX_GROUP_HEADS)
+    X(MAX_RATIOS, DS4_MAX_RATIOS) X(MAX_GROUP_HEADS, DS4_MAX_GROUP_HEADS)          \
+    X(Q8_GROUP, Q8_G)
 #define ABI_NAME(name, value) #name ","
 #define ABI_VALUE(name, value) (int64_t)(value),
 

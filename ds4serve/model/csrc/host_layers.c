@@ -349,6 +349,7 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
 typedef struct {
     float *logits, *weights, *xs, *h, *ys, *sh;
     int64_t *idx, *order, *counts;
+    uint8_t *xq, *hq;  /* the pairs' inputs and SwiGLU outputs quantised (host_q8.c; q8 experts only) */
 } MoeScratch;
 
 static inline float swiglu1(float g, float u, float limit) {
@@ -440,6 +441,28 @@ static void packed_experts(const Model *m, const Layer *L, int64_t P, MoeScratch
     }
 }
 
+/* the same over interleaved MXFP4 stacks on int8 activations: each pair's input quantised once, each
+   expert's SwiGLU outputs quantised before its down product */
+static void q8_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t E = d->n_experts, D = d->hidden, I = d->moe_inter, lx = q8_row_bytes(D), lh = q8_row_bytes(I);
+    QStack gu = {{L->qgu_codes[0], L->qgu_codes[1]}, {L->qgu_scales[0], L->qgu_scales[1]},
+                 {L->qgu_rows[0], L->qgu_rows[1]}, L->qgu_parts, D},
+           dn = {{L->qdn_codes, NULL}, {L->qdn_scales, NULL}, {D, 0}, 1, I};
+    q8_quantize(s->xs, D, P, D, s->xq, lx);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t a = s->counts[e], n = s->counts[e + 1] - a;
+        if (!n) continue;
+        q8_linear(s->xq + a * lx, lx, n, &gu, e, 2 * I, s->h + a * 2 * I, 2 * I);
+        for (int64_t i = a; i < a + n; i++) {
+            float *h = s->h + i * 2 * I;
+            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
+        }
+        q8_quantize(s->h + a * 2 * I, 2 * I, n, I, s->hq + a * lh, lh);
+        q8_linear(s->hq + a * lh, lh, n, &dn, e, D, s->ys + a * D, D);
+    }
+}
+
 static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, float *out, MoeScratch *s) {
     const Dims *d = &m->d;
     int64_t E = d->n_experts, k = d->top_k, D = d->hidden, P = T * k;
@@ -450,7 +473,9 @@ static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, 
     for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
     for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
     for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);
-    if (L->exp_packed) {
+    if (L->exp_q8) {
+        q8_experts(m, L, P, s);
+    } else if (L->exp_packed) {
         packed_experts(m, L, P, s);
     } else {
         grouped_experts(m, L, s);

@@ -73,6 +73,29 @@ void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, floa
     }
 }
 
+/* ds4_mxfp4_f32 for codes and scales in the int8 product's interleaved layout (host_q8.c, packed.py
+   interleave_q8: per group of 16 rows and block of 32 inputs, byte 64t + 4j + r holds row j's inputs
+   8t + r (low nibble) and 8t + 4 + r (high); scales [group][block][16]): the same values, the same
+   product per value, so the torch path reads interleaved experts exactly as plain ones. rows % 16 == 0. */
+void ds4_mxfp4_q8_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long cols) {
+    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    long nb = cols / 32;
+    for (long g = 0; g < rows / 16; g++)
+        for (long b = 0; b < nb; b++) {
+            const unsigned char *c = codes + (g * nb + b) * 256, *sc = scales + (g * nb + b) * 16;
+            for (int j = 0; j < 16; j++) {
+                float s = ldexpf(1.0f, (int)sc[j] - 127), *o = out + (g * 16 + j) * cols + 32 * b;
+                for (int t = 0; t < 4; t++)
+                    for (int r = 0; r < 4; r++) {
+                        unsigned char byte = c[64 * t + 4 * j + r];
+                        o[8 * t + r] = lut[byte & 15] * s;
+                        o[8 * t + 4 + r] = lut[byte >> 4] * s;
+                    }
+            }
+        }
+}
+
 /* FP8 e4m3 dequantisation: codes [rows, cols] (physical layout, contiguous) times their block's fp32
    scale, into out [rows, cols]. Blocks are br physical rows x bc columns; scales [ceil(rows / br),
    ceil(cols / bc)] contiguous, or, with transposed, [ceil(cols / bc), ceil(rows / br)] (codes stored
