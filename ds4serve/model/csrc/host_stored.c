@@ -145,8 +145,14 @@ static inline void fp8_row_muls(const Weight *w, int64_t k, int64_t n0, int64_t 
 #ifndef F8_PF
 #define F8_PF 1  /* prefetch the next pass's weight rows (0: leave it to the hardware, to compare) */
 #endif
+/* the prefetches' locality: to L2 (1) where few rows stream the weights (1-2 rows from DRAM: 1.06-1.13x
+   against L1, whose few fill buffers the prefetches then hold), to L1 (3) under the many-row tiles
+   (0.96-0.98x with L2 there), scripts/bench_stored.py on a Zen 5 */
 #ifndef F8_PF_LOC
-#define F8_PF_LOC 3
+#define F8_PF_LOC 1
+#endif
+#ifndef F8_MANY_PF_LOC
+#define F8_MANY_PF_LOC 3
 #endif
 #define F8_ROWS_MAX 8  /* rows a group of the streamed kernels */
 /* outputs per panel of the streamed kernels at one row (half at two, a quarter beyond): each weight row is
@@ -378,7 +384,7 @@ F8_ROWS(2)
             cur = 0.0f;                                                                                     \
             for (; j + F8_MNV <= nv; j += F8_MNV) {                                                         \
                 if (pf && ((j * VW) & 63) == 0) /* the next pass's rows, a line at a time */               \
-                    for (int q = 0; q < F8_MG; q++) __builtin_prefetch(pf + q * ld + j * VW, 0, F8_PF_LOC);         \
+                    for (int q = 0; q < F8_MG; q++) __builtin_prefetch(pf + q * ld + j * VW, 0, F8_MANY_PF_LOC);    \
                 int f = fold;                                                                               \
                 for (int u = 1; u < F8_MNV; u++) f &= muls[j + u] == muls[j];                               \
                 if (f && muls[j] != cur) { /* the activations times this scale (exact: f8_foldable) */     \
@@ -484,7 +490,7 @@ static void f8_blocks(void *c, int64_t lo, int64_t hi) {
 #define B16_PF 2048  /* bytes ahead (1024: 1.20x, 2048: 1.30x, 4096: 1.02x at 8 rows, CPU time, vs none) */
 #endif
 #ifndef B16_PF_LOC
-#define B16_PF_LOC 3
+#define B16_PF_LOC 1  /* to L2: 1.25-1.5x at 1-2 rows, 1.06x at 8, against L1 (scripts/bench_stored.py, Zen 5) */
 #endif
 #define B16_TILE(MR, NR)                                                                                    \
     static void b16_tile_##MR##_##NR(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ld, int nr,   \
