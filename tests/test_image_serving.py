@@ -145,7 +145,7 @@ def test_image_pass_whole_equals_layer_slices(make_llm, tok):
     step_fn = sliced.executor.step
 
     def spy(plan):
-        slices.extend(p.layer_stop - p.layer_start for p in plan.passes if any(m.images for m in p.members))
+        slices.extend(p.layer_stop - p.layer_start for p in plan.passes if any(m.image_rows for m in p.members))
         return step_fn(plan)
 
     sliced.executor.step = spy

@@ -43,7 +43,7 @@ def test_summarise_takes_medians_and_the_overhead():
 
 def test_watch_image_passes_counts_the_steps_of_image_passes_only():
     member = PassMember("r", 0, 0, (1, 2), sample=False)
-    image_member = PassMember("i", 1, 0, (1, 2), sample=False, images=(((0,), None),))
+    image_member = PassMember("i", 1, 0, (1, 2), sample=False, image_rows=(((0,), None),))
     core = SimpleNamespace(executor=SimpleNamespace(step=lambda plan: plan.step_id))
     plans = [StepPlan(1, (), (PassSlice(7, 0, 3, (image_member,)), PassSlice(8, 0, 6, (member,)))),
              StepPlan(2, (), (PassSlice(7, 3, 6, (image_member,)),)),

@@ -130,7 +130,7 @@ def test_image_slots_must_carry_exactly_their_rows():
     rows = torch.zeros(2, 8)
 
     def plan(images) -> StepPlan:
-        m = PassMember("r", 0, 10, ids, sample=True, images=images)
+        m = PassMember("r", 0, 10, ids, sample=True, image_rows=images)
         return StepPlan(1, (), (PassSlice(1, 0, 4, (m,)),))
 
     assert member_problems(plan((((13, 14), rows),)), staging_rows=64, image_slot_id=image) == {}

@@ -83,7 +83,7 @@ def watch_image_passes(core) -> Iterator[dict[int, int]]:
 
     def spy(plan):
         for p in plan.passes:
-            if any(m.images for m in p.members):
+            if any(m.image_rows for m in p.members):
                 slices[p.pass_id] = slices.get(p.pass_id, 0) + 1
         return step_fn(plan)
 

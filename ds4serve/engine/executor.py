@@ -320,7 +320,7 @@ class Executor:
                           max_image_tokens=self.cfg.vision.max_n_token, tiles=self.host is None)
 
     def _member_chunk(self, m: PassMember) -> SeqChunk:
-        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.images,
+        return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.image_rows,
                         captures=m.captures)
 
     def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows], fed: "_Fed") -> PassProgress:

@@ -172,8 +172,8 @@ def strip_plan(plan: StepPlan) -> StepPlan:
     decodes = tuple(dataclasses.replace(d, slot=int(d.slot), sampler=None) for d in plan.decodes)
 
     def member(m):
-        images = tuple(ImageRows(pos, None if rows is None else rows.cpu()) for pos, rows in m.images)
-        return dataclasses.replace(m, slot=int(m.slot), sampler=None, images=images)
+        images = tuple(ImageRows(pos, None if rows is None else rows.cpu()) for pos, rows in m.image_rows)
+        return dataclasses.replace(m, slot=int(m.slot), sampler=None, image_rows=images)
 
     passes = tuple(dataclasses.replace(p, members=tuple(member(m) for m in p.members)) for p in plan.passes)
     return dataclasses.replace(plan, decodes=decodes, passes=passes)

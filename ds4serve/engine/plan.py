@@ -61,7 +61,7 @@ class PassMember:
     sampler: Any = field(default=None, compare=False)
     spans: tuple = ()  # every image block of the sequence (ImageSpan), for masks and split checks
     # blocks inside this chunk: multimodal.records.ImageRows (IMAGE slot positions, rows in stream order)
-    images: tuple = field(default=(), compare=False)
+    image_rows: tuple = field(default=(), compare=False)
     # prefix-cache snapshots strictly inside the chunk: (position, snapshot arena entry), filled by the
     # forward (cache.view.SeqChunk.captures)
     captures: tuple[tuple[int, int], ...] = ()
@@ -229,7 +229,7 @@ def _member_problem(m: PassMember, staging_rows: int, image_slot_id: int | None)
         return ""
     slots = {m.start + i for i, t in enumerate(m.ids) if t == image_slot_id}
     filled: list[int] = []
-    for positions, rows in m.images:
+    for positions, rows in m.image_rows:
         if rows is None or len(positions) != rows.shape[0]:
             return f"an image has {len(positions)} slots but {None if rows is None else rows.shape[0]} rows"
         filled.extend(int(q) for q in positions)

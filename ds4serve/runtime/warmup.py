@@ -89,7 +89,7 @@ def _warm_image(parts: EngineParts) -> None:
             raise RuntimeError("warm-up: the page pool cannot hold one image block")
         member = PassMember("warmup-image", slot, 0, ids, sample=True,
                             sampler=SamplerState(SamplingParams(temperature=0.0), ids, []),
-                            spans=(ImageSpan.of(blk),), images=(state.rows,))
+                            spans=(ImageSpan.of(blk),), image_rows=(state.rows,))
         _run(parts, StepPlan(-4, (), (PassSlice(-4, 0, parts.cfg.num_layers, (member,)),)), "image pass")
     finally:
         cache.drop(slot)

@@ -275,7 +275,7 @@ class Scheduler(MemoryPressure):
             images = tuple(im.rows for im, sp in zip(self._images(req), req.live_spans)
                            if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=prompt_scores.samples(req, n),
-                          sampler=req.sampler, spans=req.spans, images=images, captures=self.reuse.captures(req, lo, hi),
+                          sampler=req.sampler, spans=req.spans, image_rows=images, captures=self.reuse.captures(req, lo, hi),
                           **prompt_scores.scoring(req, lo, hi))
 
     def _image_chunk(self, req: Request, budget: int) -> tuple[int, bool]:
