@@ -83,10 +83,11 @@ void run_q(const uint8_t *codes, const uint8_t *scales, int64_t N, int64_t K, fl
 """
 
 
-def _kernel(tmp_path, *defines: str):
-    """host_packed.c's q_linear for one expert, built as the host forward is for this run (test_build_targets
-    runs this file again for x86-64-v2 and znver3, scripts/sanitize.sh under the sanitizers); ``defines``
-    e.g. Q_NO_INTERLEAVE."""
+def compile_harness(tmp_path, source: str, *defines: str):
+    """A C harness around the host forward's parts (``#include "host.h"`` and the .c files it needs), built
+    as the host forward is for this run (test_build_targets runs these files again for x86-64-v2 and
+    znver3, scripts/sanitize.sh under the sanitizers) -> the loaded library; ``defines`` e.g.
+    Q_NO_INTERLEAVE."""
     import ctypes
     import shutil
     import subprocess
@@ -103,10 +104,17 @@ def _kernel(tmp_path, *defines: str):
     march += sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
     csrc = Path(host_forward.__file__).with_name("csrc")
     src, lib = tmp_path / "harness.c", tmp_path / f"harness{len(defines)}.so"
-    src.write_text(_HARNESS)
+    src.write_text(source)
     subprocess.run([cc, "-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi",
                     *march, *[f"-D{d}" for d in defines], f"-I{csrc}", "-o", str(lib), str(src), "-lm"], check=True)
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def _kernel(tmp_path, *defines: str):
+    """host_packed.c's q_linear for one expert (``compile_harness``)."""
+    import ctypes
+
+    so = compile_harness(tmp_path, _HARNESS, *defines)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     so.run_q.argtypes = [p, p, i64, i64, p, i64, i64, p, i64, ctypes.c_int]
 

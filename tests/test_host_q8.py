@@ -7,21 +7,18 @@ file again for x86-64-v2 (plain C, no FMA) and znver3 (AVX2)."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from ds4serve.llm import LLM
-from ds4serve.model import host_forward, host_q8
-from ds4serve.model import moe
+from ds4serve.model import host_forward, host_q8, moe
 from ds4serve.model.packed import PackedExperts, deinterleave_q8, interleave_q8, quantize_rows_q8
 from ds4serve.settings import MOE_ACTIVATION_MODES
 from model_helpers import random_ids
+from test_host_packed import compile_harness
 from test_packed_experts import _checkpoint
 
 _HARNESS = r"""
@@ -46,22 +43,7 @@ void run_q8(const uint8_t *codes, const uint8_t *scales, int64_t N, int64_t K, c
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     """host_q8.c built as the host forward is for this run (the target test_build_targets chooses)."""
-    from ds4serve.environment import native_build
-    from ds4serve.native_build import sanitized
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    build = native_build()
-    march = ([] if build.target == "baseline" else [f"-march={build.target}"])
-    march += sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
-    tmp = tmp_path_factory.mktemp("q8")
-    csrc = Path(host_forward.__file__).with_name("csrc")
-    src, lib = tmp / "harness.c", tmp / "harness.so"
-    src.write_text(_HARNESS)
-    subprocess.run([cc, "-O3", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi",
-                    *march, f"-I{csrc}", "-o", str(lib), str(src), "-lm"], check=True)
-    so = ctypes.CDLL(str(lib))
+    so = compile_harness(tmp_path_factory.mktemp("q8"), _HARNESS)
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     so.run_q8.argtypes = [p, p, i64, i64, p, i64, p, ctypes.c_int]
 

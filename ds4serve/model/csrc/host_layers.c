@@ -401,6 +401,14 @@ static void route(const Model *m, const Layer *L, const float *xn, const int64_t
     }
 }
 
+/* rows [a, a + n) of h ([gate | up], 2I wide): the gate half becomes SwiGLU(gate, up) in place */
+static void swiglu_rows(float *h, int64_t a, int64_t n, int64_t I, float limit) {
+    for (int64_t i = a; i < a + n; i++) {
+        float *r = h + i * 2 * I;
+        for (int64_t c = 0; c < I; c++) r[c] = swiglu1(r[c], r[I + c], limit);
+    }
+}
+
 /* each expert's pairs (rows xs, sorted by expert) through its gate/up, SwiGLU and down products */
 static void grouped_experts(const Model *m, const Layer *L, MoeScratch *s) {
     const Dims *d = &m->d;
@@ -412,10 +420,7 @@ static void grouped_experts(const Model *m, const Layer *L, MoeScratch *s) {
         Weight gu = {.p = L->exp_gate_up + e * 2 * I * D, .ld = L->exp_kn ? 2 * I : D, .kn = L->exp_kn},
                dn = {.p = L->exp_down + e * D * I, .ld = L->exp_kn ? D : I, .kn = L->exp_kn};
         linear(s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
-        for (int64_t i = a; i < a + n; i++) {
-            float *h = s->h + i * 2 * I;
-            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
-        }
+        swiglu_rows(s->h, a, n, I, d->swiglu_limit);
         linear(s->h + a * 2 * I, 2 * I, n, I, dn, D, s->ys + a * D, D);
     }
 }
@@ -432,10 +437,7 @@ static void packed_experts(const Model *m, const Layer *L, int64_t P, MoeScratch
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         if (!n) continue;
         q_linear(s->xs + a * D, D, n, &gu, e, 2 * I, s->h + a * 2 * I, 2 * I);
-        for (int64_t i = a; i < a + n; i++) {
-            float *h = s->h + i * 2 * I;
-            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
-        }
+        swiglu_rows(s->h, a, n, I, d->swiglu_limit);
         qperm_rows(s->h + a * 2 * I, n, I, 2 * I);
         q_linear(s->h + a * 2 * I, 2 * I, n, &dn, e, D, s->ys + a * D, D);
     }
@@ -454,10 +456,7 @@ static void q8_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s)
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         if (!n) continue;
         q8_linear(s->xq + a * lx, lx, n, &gu, e, 2 * I, s->h + a * 2 * I, 2 * I);
-        for (int64_t i = a; i < a + n; i++) {
-            float *h = s->h + i * 2 * I;
-            for (int64_t c = 0; c < I; c++) h[c] = swiglu1(h[c], h[I + c], d->swiglu_limit);
-        }
+        swiglu_rows(s->h, a, n, I, d->swiglu_limit);
         q8_quantize(s->h + a * 2 * I, 2 * I, n, I, s->hq + a * lh, lh);
         q8_linear(s->hq + a * lh, lh, n, &dn, e, D, s->ys + a * D, D);
     }
