@@ -103,3 +103,17 @@ def test_saved_drafter_decodes_exactly_through_the_engine(trained):
     got = drafted.generate(prompts, max_tokens=24, temperature=0.0, ignore_eos=True)
     assert got == want
     assert drafted.core.stats.speculation.get("drafted_tokens", 0) > 0
+
+
+def test_bundled_drafter_acceptance_stays_above_the_floor():
+    """The drafter shipped in models/ds4v-tiny (``ds4serve tiny train-drafter``, 5000 steps): greedy outputs
+    equal plain decoding, and its mean acceptance length stays above the floor it was measured at."""
+    assert (BUNDLED / "drafter.safetensors").exists()
+    llm = LLM(BUNDLED, max_seqs=4, warmup=False, speculative=json.dumps({"method": "dspark"}))
+    plain = LLM(BUNDLED, max_seqs=4, warmup=False)
+    prompts = bench_shape_prompts(4, llm.core.cfg.vocab_size, seed=5)
+    got = llm.generate(prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
+    assert got == plain.generate(prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
+    figures = llm.core.stats.speculation
+    length = 1 + figures["accepted_tokens"] / figures["verify_steps"]
+    assert length >= ACCEPTANCE_FLOOR, dict(figures)
