@@ -26,6 +26,7 @@ id (proposals copied from a prompt's image block end before it): image blocks co
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,11 +56,11 @@ class DraftPolicy:
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
-             block_cost: float = 0.0, step: int = 0) -> dict[str, tuple[int, ...]]:
+             draft_cost: float = 0.0, step: int = 0) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
         requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
         observed costs, ``step_costs.StepCosts``; the calibrated forward's by default) and, for a
-        checkpoint drafter, for the ``block_cost`` seconds its block took to draft. ``step``: the
+        checkpoint drafter, for its ``draft_cost`` seconds a verified draft row. ``step``: the
         scheduler's step count; requests below the bar probe together when it is a multiple of
         ``PROBE_EVERY`` (so a checkpoint drafter runs once for all of them, not once a step for one)."""
         budget = int(limits.prefill_tokens(len(decoders)) * self.share)
@@ -68,7 +69,7 @@ class DraftPolicy:
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
-            bar = self.bar(req, len(decoders), costs, block_cost, limits.max_model_len)
+            bar = self.bar(req, len(decoders), costs, draft_cost, limits.max_model_len)
             if bar >= 1.0:  # no acceptance rate can pay beside this many decoders: not even a probe
                 req.draft_skipped += 1
                 continue
@@ -87,18 +88,17 @@ class DraftPolicy:
                 budget -= len(draft)
         return out
 
-    def bar(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> float:
+    def bar(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> float:
         """The acceptance rate ``req``'s draft must beat beside ``n`` decoders: ``worth``, with a checkpoint
-        drafter's cost of drafting the block spread over the tokens it would verify. 1 or more: no rate
+        drafter's seconds per draft row verified (``StepCosts.draft_cost``). 1 or more: no rate
         can pay, so the request neither drafts nor probes (a probe could only confirm a loss)."""
-        extra = block_cost / max(1, self._length(req, max_model_len)) if self.source == "model" else 0.0
-        return worth(n, costs, extra)
+        return worth(n, tuple(costs), draft_cost if self.source == "model" else 0.0)
 
-    def pays(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+    def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
         """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders (``bar``)."""
-        return req.draft_rate > self.bar(req, n, costs, block_cost, max_model_len)
+        return req.draft_rate > self.bar(req, n, costs, draft_cost, max_model_len)
 
-    def follows(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int) -> bool:
+    def follows(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
         """Whether a checkpoint drafter keeps ``req``'s committed rows this step (``DecodeRow.follow``): while
         some acceptance rate could pay (``bar`` below 1), as the request drafts or probes from them. Once
         none can (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
@@ -106,26 +106,26 @@ class DraftPolicy:
         whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
         if self.source != "model" or not draftable(req.sampler):
             return False
-        return self.bar(req, n, costs, block_cost, max_model_len) < 1.0
+        return self.bar(req, n, costs, draft_cost, max_model_len) < 1.0
 
-    def turn(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
+    def turn(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
              step: int) -> tuple[bool, bool]:
         """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders: whether a checkpoint
         drafter drafts its next block after this step (``wants_block``), and keeps its rows (``follows``);
         neither for n-gram drafts, which are looked up here when a step is planned."""
         if self.source != "model":
             return False, False
-        return (self.wants_block(req, n, costs, block_cost, max_model_len, step),
-                self.follows(req, n, costs, block_cost, max_model_len))
+        return (self.wants_block(req, n, costs, draft_cost, max_model_len, step),
+                self.follows(req, n, costs, draft_cost, max_model_len))
 
-    def wants_block(self, req: Request, n: int, costs: Sequence[float], block_cost: float, max_model_len: int,
+    def wants_block(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
                     step: int = 0) -> bool:
         """Whether a checkpoint drafter should draft ``req``'s next block after step ``step``: when its
         rate pays, or when the next step probes (a block costs a drafter forward, verified or not); never
         when no rate could pay (``follows``)."""
-        if not self.follows(req, n, costs, block_cost, max_model_len):
+        if not self.follows(req, n, costs, draft_cost, max_model_len):
             return False
-        return self.pays(req, n, costs, block_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
+        return self.pays(req, n, costs, draft_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
 
     def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
         """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the
@@ -152,6 +152,7 @@ class DraftPolicy:
         return max(0, min(want, room, self.max_rows))
 
 
+@functools.lru_cache(maxsize=256)  # asked for every row of every step, with a handful of distinct arguments
 def worth(n: int, costs: Sequence[float], extra: float = 0.0) -> float:
     """The acceptance rate a draft must beat beside ``n`` decoders: a step of ``n`` rows costs ``a + b n``
     and yields ``n`` tokens; ``D`` draft rows add ``(c + extra) D`` and yield ``r D`` more, which pays

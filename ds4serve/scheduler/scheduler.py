@@ -205,14 +205,14 @@ class Scheduler(MemoryPressure):
         """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders (``DraftPolicy.turn``)."""
         if self.drafting is None:
             return False, False
-        return self.drafting.turn(req, n, self.step_costs.costs(), self.step_costs.block_cost,
+        return self.drafting.turn(req, n, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self.limits.max_model_len, self._schedules)
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
         if self.drafting is None or not decoders:
             return {}
-        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.block_cost,
+        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self._schedules)
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
@@ -342,7 +342,7 @@ class Scheduler(MemoryPressure):
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
         if self.drafting is not None:
-            self.step_costs.observe_blocks(result.draft_s, result.proposals)
+            self.step_costs.observe_blocks(result.draft_s, result.proposals, sum(len(d.draft) for d in plan.decodes))
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
                                     time.perf_counter() - self._planned_at - result.draft_s)
