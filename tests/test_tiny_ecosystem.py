@@ -17,9 +17,15 @@ TINY = Path(__file__).resolve().parents[1] / "models" / "ds4v-tiny"
 transformers = pytest.importorskip("transformers")
 
 
-def test_the_bundled_files_are_what_the_trainer_writes():
+def test_the_bundled_files_are_what_the_trainers_write():
+    """The model's keys as ``tiny train`` writes them, and the shipped drafter's ``dspark_*`` keys as ``tiny
+    train-drafter`` writes them with its default settings."""
+    from ds4serve.tiny.train_drafter import DrafterSettings, drafter_config
+
     config = json.loads((TINY / "config.json").read_text())
-    assert config == model_config(config["vocab_size"])
+    drafter = {k: v for k, v in config.items() if k.startswith("dspark_")}
+    assert {k: v for k, v in config.items() if k not in drafter} == model_config(config["vocab_size"])
+    assert drafter == json.loads(json.dumps(drafter_config(DrafterSettings(TINY, TINY))))
     assert json.loads((TINY / "tokenizer_config.json").read_text()) == TOKENIZER_CONFIG
 
 
