@@ -233,7 +233,8 @@ static void f8_blocks(void *c, int64_t lo, int64_t hi);
 static int64_t f8_panel_cap(int64_t M);
 /* a bf16 [N, K] tile (b16_tile): rows x outputs, every head row decoded once per B16_MR rows: 8 x 3
    accumulators in AVX-512's 32 registers, 4 x 2 in AVX2's 16; one row alone takes B16_NR1 outputs (more
-   rows streaming at once: 3 were 0.90x the 4 before at one row) */
+   rows streaming at once: 3 were 0.90x the 4 before at one row; with the prefetches to L2, 8 ran 1.02x /
+   1.10x the 4 on 1 / 2 threads and 16 0.97-0.99x, scripts/bench_stored.py --head, Zen 5) */
 #if VW == 16
 #define B16_MR 8
 #define B16_NR 3
@@ -242,7 +243,11 @@ static int64_t f8_panel_cap(int64_t M);
 #define B16_NR 2
 #endif
 #ifndef B16_NR1
-#define B16_NR1 4
+#if VW == 16
+#define B16_NR1 8
+#else
+#define B16_NR1 4  /* 8 accumulators and 8 weight vectors would not fit AVX2's 16 registers */
+#endif
 #endif
 /* outputs per column block of an [N, K] product of M rows */
 static inline int64_t nk_width(const Weight *w, int64_t M) { return w->fmt == 2 ? (M == 1 ? B16_NR1 : B16_NR) : 4; }
