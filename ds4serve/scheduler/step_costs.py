@@ -9,7 +9,10 @@ from planning to the end of ``apply`` and this model fits ``seconds = a + b n + 
 ``D`` draft rows) over the last ``WINDOW`` such steps, by weighted least squares. The calibrated costs
 enter as pseudo-steps (``PRIOR_WEIGHT`` each at the corners of the range seen), so a fit over steps
 that all look alike stays near the prior instead of swinging. Steps with prompt work are left out: their
-rows would be charged to the decoders.
+rows would be charged to the decoders. Once the window holds enough plain steps, ``a + b n`` comes from
+them alone and ``c`` from what the drafting steps cost beyond that (``_fit_apart``: drafting steps carry
+per-request verification cost the joint fit spread over ``b``). A checkpoint drafter's own forward is
+charged per draft row it got verified (``draft_cost``), not per token of the block it drafted.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ REFIT_EVERY = 16  # steps between fits (a fit is a 3x3 solve: cheap, but not fre
 BLOCK_DECAY = 0.9  # weight of the past in the running cost of drafting one block
 PRIOR_WEIGHT = 4.0  # each corner pseudo-step of the calibrated costs counts as this many observed steps
 APART_MIN_PLAIN = 24  # plain steps the window must hold before a and b come from them alone (``_fit_apart``)
-DRAFT_DECAY = 0.98
-PRIOR_BLOCK_ROWS = 4  # draft rows the prior block of ``draft_cost`` was verified in  # per step, of the running sums of drafter seconds and of the draft rows verified
+DRAFT_DECAY = 0.98  # per step, of the running sums of drafter seconds and of the draft rows verified
+PRIOR_BLOCK_ROWS = 4  # draft rows the prior block of ``draft_cost`` was verified in
 
 
 def _moments(n: float, d: float, t: float, w: float) -> tuple[float, ...]:
@@ -108,7 +111,6 @@ class StepCosts:
             return self.prior
         s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
         return tuple(max(0.0, v) for v in _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt]))
-
 
     def _fit_apart(self) -> tuple[float, float, float] | None:
         """The joint fit charges a draft row too little when drafting steps cost more than their rows (the
