@@ -49,15 +49,17 @@ void ds4_rope_f32(float *x, const float *rot, long n, long h, long dim, long hal
     }
 }
 
+/* E2M1 values by code (bit 3 the sign), for both MXFP4 dequantisers below */
+static const float mxfp4_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 /* MXFP4 dequantisation: codes [rows, half] (two E2M1 codes per byte, the low nibble first) times
    2^(scale byte - 127) per block of inputs, into out [rows, 2 * half]; each output is one table value
    times its block's power of two (one fp32 product, as the torch form computes it). */
 void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long half,
                    long block) {
-    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     float pairs[512]; /* byte -> (low nibble's value, high nibble's value) */
-    for (int b = 0; b < 256; b++) { pairs[2 * b] = lut[b & 15]; pairs[2 * b + 1] = lut[b >> 4]; }
+    for (int b = 0; b < 256; b++) { pairs[2 * b] = mxfp4_lut[b & 15]; pairs[2 * b + 1] = mxfp4_lut[b >> 4]; }
     long n_blocks = 2 * half / block, per = block / 2;
     for (long r = 0; r < rows; r++) {
         const unsigned char *c = codes + r * half;
@@ -78,8 +80,6 @@ void ds4_mxfp4_f32(const unsigned char *codes, const unsigned char *scales, floa
    8t + r (low nibble) and 8t + 4 + r (high); scales [group][block][16]): the same values, the same
    product per value, so the torch path reads interleaved experts exactly as plain ones. rows % 16 == 0. */
 void ds4_mxfp4_q8_f32(const unsigned char *codes, const unsigned char *scales, float *out, long rows, long cols) {
-    static const float lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     long nb = cols / 32;
     for (long g = 0; g < rows / 16; g++)
         for (long b = 0; b < nb; b++) {
@@ -89,8 +89,8 @@ void ds4_mxfp4_q8_f32(const unsigned char *codes, const unsigned char *scales, f
                 for (int t = 0; t < 4; t++)
                     for (int r = 0; r < 4; r++) {
                         unsigned char byte = c[64 * t + 4 * j + r];
-                        o[8 * t + r] = lut[byte & 15] * s;
-                        o[8 * t + 4 + r] = lut[byte >> 4] * s;
+                        o[8 * t + r] = mxfp4_lut[byte & 15] * s;
+                        o[8 * t + 4 + r] = mxfp4_lut[byte >> 4] * s;
                     }
             }
         }
