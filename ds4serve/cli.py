@@ -16,7 +16,7 @@ from pathlib import Path
 from .chat.dsml import EFFORT_PROMPTS
 from .server.keys import KEYS_FILE_FORMAT
 from .server.limits import THINKING_MODES, ServerLimits
-from .settings import HOST_KERNEL_MODES, MOE_ACTIVATION_MODES, PACKED_MODES, EngineSettings
+from .settings import ENGINE_CHOICES, PACKED_MODES, EngineSettings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "ds4v-tiny"
 
@@ -35,6 +35,7 @@ _ENGINE_FLAGS = {
     "--host-kernels": ("host_kernels", str, "text forwards on the host as one native call per step: auto (where it "
                        "applies: host, float32, one process), on (fail where it cannot), off (the torch path)"),
     "--moe-activations": ("moe_activations", str, "packed MXFP4 experts multiply int8 (as llama.cpp) or fp32 inputs"),
+    "--head-activations": ("head_activations", str, "a bf16 LM head multiplies bf16 (auto: with AVX-512 BF16) or fp32 inputs"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool, "reuse the state of prompt prefixes seen before "
                                 "(vLLM's flag; --no-enable-prefix-caching turns it off)"),
@@ -58,7 +59,7 @@ _SERVER_FLAGS = {
     "--default-thinking": ("default_thinking", str, "DS4 thinking mode of chat requests that do not choose one"),
     "--no-webui": ("webui", bool, "do not serve the chat page at / (a 404 there)"),
 }
-_CHOICES = {"default_thinking": THINKING_MODES, "host_kernels": HOST_KERNEL_MODES, "moe_activations": MOE_ACTIVATION_MODES}
+_CHOICES = {"default_thinking": THINKING_MODES, **ENGINE_CHOICES}
 
 
 class _DecodeGraphModes:
@@ -84,10 +85,8 @@ def _add_settings_flags(p: argparse.ArgumentParser, cls: type, table: dict) -> N
         metavar = flag[2:].upper().replace("-", "_")
         if name == "decode_graphs":  # an explicit metavar keeps argparse from listing the modes at build time
             metavar, text, extra = "MODE", text + "; one of %(choices)s", {"choices": _DecodeGraphModes()}
-        elif name in _CHOICES:
-            metavar, extra = "|".join(_CHOICES[name]), {"choices": _CHOICES[name]}
         else:
-            extra = {}
+            metavar, extra = ("|".join(_CHOICES[name]), {"choices": _CHOICES[name]}) if name in _CHOICES else (metavar, {})
         if typ is bool:
             _add_switch(p, flag, name, defaults[name], text)
             continue
@@ -223,7 +222,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--json", default=None, help="also write the figures to this JSON file")
     eng.add_argument("--rounds", type=int, default=3, help="interleaved rounds per stream count (median kept)")
     eng.add_argument("--device", default="cpu", help="cpu or cuda (both engines run there, fp32)")
-    eng.add_argument("--host-kernels", default="auto", choices=HOST_KERNEL_MODES,
+    eng.add_argument("--host-kernels", default="auto", choices=ENGINE_CHOICES["host_kernels"],
                      help="ds4serve's native host forward (auto: where it applies; off: the torch path)")
     _add_bench_serve(bsub)
     peer = bsub.add_parser("peer", help="ds4serve vs transformers (serve and batched generate), same checkpoint")

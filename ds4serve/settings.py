@@ -51,6 +51,9 @@ def parse_bytes(value: str | int | None, name: str) -> int | None:
 
 HOST_KERNEL_MODES = ("auto", "on", "off")
 MOE_ACTIVATION_MODES = ("auto", "int8", "fp32")  # model/host_q8.py MOE_ACTIVATIONS (a test holds them equal)
+HEAD_ACTIVATION_MODES = ("auto", "bf16", "fp32")  # model/host_pairs.py HEAD_ACTIVATIONS (likewise)
+ENGINE_CHOICES = {"host_kernels": HOST_KERNEL_MODES, "moe_activations": MOE_ACTIVATION_MODES,
+                  "head_activations": HEAD_ACTIVATION_MODES}  # settings fields with a fixed set of values (cli)
 PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
 
 
@@ -147,6 +150,10 @@ class EngineSettings:
     # packed MXFP4 experts in the native forward: "int8" multiplies on int8 activations (host_q8.c, as
     # llama.cpp does), "fp32" on fp32 ones (exactly dequantise-at-load); "auto": int8 where it applies
     moe_activations: str = "auto"
+    # a bf16 LM head in the native forward: "bf16" rounds its input rows to bf16 and adds bf16 pairs
+    # (host_pairs.c, as llama.cpp does), "fp32" multiplies the fp32 rows (exactly the dequantised head);
+    # "auto": bf16 where the CPU has AVX-512 BF16
+    head_activations: str = "auto"
     # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
     # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
     enable_prefix_caching: bool = True
@@ -176,6 +183,8 @@ class EngineSettings:
             (self.host_kernels in HOST_KERNEL_MODES, f"host_kernels must be one of {', '.join(HOST_KERNEL_MODES)}"),
             (self.moe_activations in MOE_ACTIVATION_MODES,
              f"moe_activations must be one of {', '.join(MOE_ACTIVATION_MODES)}"),
+            (self.head_activations in HEAD_ACTIVATION_MODES,
+             f"head_activations must be one of {', '.join(HEAD_ACTIVATION_MODES)}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -62,10 +62,11 @@ def fp8_weight(k: int, n: int, seed: int) -> tuple[_Weight, list[torch.Tensor], 
     return w, [codes, scales], codes.numel() + scales.numel() * 4
 
 
-def bf16_weight(k: int, n: int, seed: int) -> tuple[_Weight, list[torch.Tensor], int]:
+def bf16_weight(k: int, n: int, seed: int, fmt: int = 2) -> tuple[_Weight, list[torch.Tensor], int]:
+    """The head as loaded; fmt 2 multiplies fp32 rows (host_stored.c), 3 bf16-rounded ones (host_pairs.c)."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-    return _Weight(None, k, 0, 2, w.data_ptr(), None, 0, 0, 0, 0), [w], w.numel() * 2
+    return _Weight(None, k, 0, fmt, w.data_ptr(), None, 0, 0, 0, 0), [w], w.numel() * 2
 
 
 def time_one(lib, x, w, n, y, threads: int, reps: int) -> tuple[float, float]:
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--head", action="store_true", help="also the bf16 head (129,280 x K), rows <= 16")
+    ap.add_argument("--head-pairs", action="store_true", help="also the bf16 head on bf16-rounded rows (fmt 3)")
     ap.add_argument("--pairs", type=int, default=3, help="old/new alternations per case")
     ap.add_argument("--max-flop", type=float, default=4e10, help="skip cases above this many FLOP a call")
     ap.add_argument("--by", choices=["wall", "cpu"], default="wall", help="the time the ratios compare")
@@ -106,12 +108,14 @@ def main() -> None:
         libs["old"] = build(a.old, a.march, tmp / "old.so", a.old_defines)
     print(f"# {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}, "
           f"-march={a.march}, loadavg {os.getloadavg()[0]:.2f}")
-    cases = [("fp8", n) for n in a.shapes] + ([("bf16", HEAD)] if a.head else [])
+    cases = ([("fp8", n) for n in a.shapes] + ([("bf16", HEAD)] if a.head else [])
+             + ([("bf16x", HEAD)] if a.head_pairs else []))
     ratios = []
     for kind, n in cases:
-        w, keep, nbytes = (fp8_weight if kind == "fp8" else bf16_weight)(a.k, n, seed=n)
+        w, keep, nbytes = (fp8_weight(a.k, n, seed=n) if kind == "fp8" else
+                           bf16_weight(a.k, n, seed=n, fmt=3 if kind == "bf16x" else 2))
         for m in a.rows:
-            if 2.0 * m * a.k * n > a.max_flop or (kind == "bf16" and m > 16):
+            if 2.0 * m * a.k * n > a.max_flop or (kind != "fp8" and m > 16):
                 continue
             x = torch.randn(m, a.k, generator=torch.Generator().manual_seed(m))
             y = torch.empty(m, n)

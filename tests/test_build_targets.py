@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # the native batch-invariance, multi-block, packed-expert, prefix-identity and draft-verification tests
 # (speculative decoding promises plain decoding's bits), and every native-vs-torch comparison in those files
-EXACTNESS = ["tests/test_host_forward.py", "tests/test_host_packed.py", "tests/test_host_q8.py", "tests/test_stored_weights.py",
+EXACTNESS = ["tests/test_host_forward.py", "tests/test_host_packed.py", "tests/test_host_q8.py", "tests/test_host_pairs.py",
+             "tests/test_stored_weights.py",
              "tests/test_prefix_cache.py", "tests/test_spec_decode.py", "tests/test_capture.py",
              "tests/test_native_dspark.py"]
 # the default build (-march=native, AVX-512 on the CI machine) runs with the whole suite; these two add a build

@@ -102,11 +102,12 @@ def _warn_spin_once() -> None:
 
 class Executor:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
-                 sample: bool = True, host_kernels: str = "off", moe_activations: str = "auto"):
+                 sample: bool = True, host_kernels: str = "off", moe_activations: str = "auto",
+                 head_activations: str = "auto"):
         """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
         (and so the LM head) to rank 0. ``host_kernels``: text forwards as one native call where that
-        applies (``EngineSettings.host_kernels``); ``moe_activations``: how it multiplies packed MXFP4
-        experts (``EngineSettings.moe_activations``)."""
+        applies (``EngineSettings.host_kernels``); ``moe_activations`` / ``head_activations``: how it
+        multiplies packed MXFP4 experts and a bf16 LM head (``EngineSettings``)."""
         self.cfg = cfg
         self.sample = sample
         self.model = model
@@ -117,7 +118,7 @@ class Executor:
         state = cache.state
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
-        self.host = self._host_forward(host_kernels, moe_activations)
+        self.host = self._host_forward(host_kernels, moe_activations, head_activations)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
 
@@ -126,10 +127,11 @@ class Executor:
         against their own ``q`` (decode graphs are not used with it: their fixed forward has no split)."""
         self.drafts, self.capture = drafts, drafts.plan
 
-    def _host_forward(self, mode: str, moe_activations: str) -> HostForward | None:
+    def _host_forward(self, mode: str, moe_activations: str, head_activations: str) -> HostForward | None:
         if mode == "off" or self.model is None:
             return None
-        host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers, moe_activations)
+        host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers, moe_activations,
+                                       head_activations)
         if host is None:
             if mode == "on":
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
@@ -140,6 +142,9 @@ class Executor:
             if host.moe_activations == "int8":
                 log.info("packed MXFP4 experts multiply on int8 activations (%s kernel; --moe-activations fp32 "
                          "for the dequantised weights' exact products)", host.lib.ds4_q8_kernel().decode())
+            if host.head_activations == "bf16":
+                log.info("the bf16 LM head multiplies bf16-rounded rows (%s; --head-activations fp32 for the "
+                         "fp32 rows' exact products)", host.lib.ds4_p16_kernel().decode())
             _warn_spin_once()
         return host
 
@@ -151,9 +156,11 @@ class Executor:
             self.host = None
 
     @torch.inference_mode()
-    def host_disagrees(self, chunks: list[SeqChunk], what: str, tolerance: float, head: bool = True) -> str | None:
+    def host_disagrees(self, chunks: list[SeqChunk], what: str, tolerance: float, head: bool = True,
+                       head_tolerance: float | None = None) -> str | None:
         """Run one forward of ``chunks`` both ways, and (``head``) the LM head on its last row: None when the
-        native results are within ``tolerance`` of the torch ones (relative to their scale), else what differs.
+        native results are within ``tolerance`` (the logits: ``head_tolerance``, default the same) of the
+        torch ones (relative to their scale), else what differs.
         Only for views that are the same forward when run twice (see ``warmup.check_host``)."""
         # with query tiles: the torch reference of a long chunk then attends over shared key blocks instead
         # of gathering a private key list per query (~70 MB more at start-up on the Flash-shaped checkpoint)
@@ -161,13 +168,14 @@ class Executor:
                           max_image_tokens=self.cfg.vision.max_n_token, tiles=True)
         ref = self._decode_forward(view)
         got = self.host.forward(view)
-        pairs = [(ref, got, "hidden states")]
+        pairs = [(ref, got, "hidden states", tolerance)]
         if head:
-            pairs.append((self.model.logits(ref[-1:]), self.host.logits(ref[-1:]), "logits"))
-        for a, b, name in pairs:
+            pairs.append((self.model.logits(ref[-1:]), self.host.logits(ref[-1:]), "logits",
+                          tolerance if head_tolerance is None else head_tolerance))
+        for a, b, name, tol in pairs:
             scale = max(1.0, float(a.abs().max()))  # sync-ok: start-up self-check
             diff = float((a - b).abs().max()) if bool(torch.isfinite(b).all()) else float("inf")  # sync-ok
-            if not diff <= tolerance * scale:
+            if not diff <= tol * scale:
                 return f"{name} of {what} differ by {diff:.3g} (scale {scale:.3g})"
         return None
 

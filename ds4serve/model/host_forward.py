@@ -31,7 +31,8 @@ from torch import nn
 from ..config import AttnKind, ModelConfig
 from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
-from . import host_q8
+from . import host_pairs, host_q8
+from .host_support import packed_unsupported as _packed_unsupported, stored_unsupported as _stored_unsupported
 from .batch import BatchView, LayerState
 from .host_abi import (MAX_CAPTURES, _Arena, _Capture, _CompView, _Dims, _Layer, _Model, _StepView, _VisView,
                        _Weight, abi)
@@ -100,6 +101,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_vector_width.restype = c_int
     lib.ds4_build_info.restype = ctypes.c_char_p
     host_q8.bind(lib)
+    host_pairs.bind(lib)
     lib.ds4_abi_names.restype = ctypes.c_char_p
     lib.ds4_abi.argtypes = [POINTER(c_int64), c_int64]
     lib.ds4_abi.restype = c_int64
@@ -159,46 +161,21 @@ def unsupported(cfg: ModelConfig, model: nn.Module, states: list[LayerState],
     return None
 
 
-def _stored_unsupported(w, name: str) -> str | None:
-    """Why the native forward cannot read this stored weight as it is (None: it can, or it is not one):
-    FP8 block scales below 2^8 (the kernels multiply by scale x 2^120, which must stay finite) and blocks
-    whose outputs are whole vectors and whose inputs come in fours (host_stored.c)."""
-    if not isinstance(w, StoredWeight) or w.fmt != "fp8":
-        return None
-    if w.device.type != "cpu" or not bool((w.scales < 256.0).all()):
-        return f"{name}: FP8 block scales of 2^8 or more"
-    if w.block[0] % 16 or w.block[1] % 4:
-        return f"{name}: FP8 blocks of {list(w.block)} (the native forward needs outputs in 16s, inputs in 4s)"
-    return None
-
-
-def _packed_unsupported(stack, max_parts: int) -> str | None:
-    """Why the native forward cannot read this packed expert stack as it is (None: it can, or the stack
-    is not packed): it reads MXFP4 with byte scales, one per 32 inputs, on the host (host_packed.c)."""
-    if not isinstance(stack, PackedExperts):
-        return None
-    k = 2 * stack.parts[0].codes.shape[-1]
-    if stack.fmt != "mxfp4":
-        return f"packed {stack.fmt} experts (the native forward reads MXFP4)"
-    if len(stack.parts) > max_parts or k % 32 or any(
-            p.codes.dtype != torch.uint8 or p.scales.dtype != torch.uint8 or p.scales.shape[-1] * 32 != k
-            or not (p.codes.is_contiguous() and p.scales.is_contiguous()) for p in stack.parts):
-        return "packed experts in a layout the native forward does not read (MXFP4, a byte scale per 32 inputs)"
-    return None
-
-
 class HostForward:
     """The native decode forward and LM head of one model over one ``ModelState``'s tensors."""
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL,
-                 moe_activations: str = "fp32"):  # "int8": packed experts interleaved for host_q8.c
+                 moe_activations: str = "fp32",  # "int8": packed experts interleaved for host_q8.c
+                 head_activations: str = "fp32"):  # "bf16": a bf16 head on bf16-rounded rows (host_pairs.c)
         self.cfg, self.lib, self.moe_activations = cfg, lib, moe_activations
+        self.head_activations = head_activations
         self.vw = lib.ds4_vector_width()
         self._keep: list[torch.Tensor] = []  # every tensor a pointer was taken from
         self._q8_stacks: list[PackedExperts] = []  # stacks the int8 product reads, in layer order
         self.comp_keys = sorted({(r, cfg.attn_kinds[i] is AttnKind.CSA) for i, r in enumerate(cfg.compress_ratios) if r})
         self.ratios = list(cfg.distinct_ratios)
         self._states = states
+        self._bf16_head = host_pairs.bf16_head(model)  # what p16_disagrees probes
         self._layers = (_Layer * cfg.num_layers)(*[self._layer(i, ly, st) for i, (ly, st)
                                                    in enumerate(zip(model.model.layers, states))])
         m = model.model
@@ -211,14 +188,15 @@ class HostForward:
             inv_freq_comp=self._ptr(model.inv_freq_compress), af_main=cfg.rope_main.attention_factor,
             af_comp=cfg.rope_compress.attention_factor, head_fn=self._weight(m.hc_head.hc_fn),
             head_base=self._ptr(m.hc_head.hc_base), head_scale=self._ptr(m.hc_head.hc_scale),
-            final_norm=self._ptr(m.norm.weight), lm_head=self._weight(model.lm_head.weight), n_layers=cfg.num_layers,
+            final_norm=self._ptr(m.norm.weight), lm_head=self._head(model.lm_head.weight), n_layers=cfg.num_layers,
             layers=self._layers, d=self._dims(cfg))
         self._arena, self._head_arena = _Arena(), _Arena()
 
     @classmethod
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
-               moe_activations: str = "auto") -> tuple["HostForward | None", str]:
-        """The decoder, or ``(None, why not)``; ``moe_activations``: ``host_q8.choose_moe_activations``."""
+               moe_activations: str = "auto", head_activations: str = "auto") -> tuple["HostForward | None", str]:
+        """The decoder, or ``(None, why not)``; ``moe_activations``: ``host_q8.choose_moe_activations``;
+        ``head_activations``: ``host_pairs.choose_head_activations``."""
         lib = library()
         if lib is None:
             return None, f"the kernels could not be built ({_library.failure})"
@@ -226,10 +204,22 @@ class HostForward:
         if why is not None:
             return None, why
         mode = host_q8.choose_moe_activations(model, moe_activations, lib.ds4_limits)
-        return cls(cfg, model, states, lib, mode), ""
+        head = host_pairs.choose_head_activations(model, head_activations, lib)
+        return cls(cfg, model, states, lib, mode, head), ""
 
     def q8_disagrees(self) -> str | None:  # the int8 product on the first layer's stacks (host_q8)
         return host_q8.q8_disagrees(self.lib, self._q8_stacks[:2])
+
+    def p16_disagrees(self) -> str | None:  # the bf16-pair head product against its definition (host_pairs)
+        head = self._bf16_head
+        return None if self.head_activations != "bf16" or head is None else host_pairs.p16_disagrees(self.lib, head)
+
+    def _head(self, w: torch.Tensor | StoredWeight) -> _Weight:
+        """The LM head's descriptor: ``_weight``'s, on bf16-rounded rows where ``head_activations`` says."""
+        desc = self._weight(w)
+        if self.head_activations == "bf16" and desc.fmt == 2:
+            desc.fmt = host_pairs.FMT_PAIRS
+        return desc
 
     def close(self) -> None:
         for arena in (self._arena, self._head_arena):

@@ -131,7 +131,8 @@ typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded 
     const float *p;       /* fmt 0: fp32 */
     int64_t ld;
     int64_t kn;
-    int64_t fmt;          /* 0 fp32 at p; 1 FP8 e4m3 codes at q, [K, N]; 2 bf16 at q, [N, K] (host_stored.c) */
+    int64_t fmt;          /* 0 fp32 at p; 1 FP8 e4m3 codes at q, [K, N]; 2 bf16 at q, [N, K] (host_stored.c);
+                             3 the same on bf16-rounded inputs (host_pairs.c) */
     const uint8_t *q;
     const float *scales;  /* fmt 1: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks */
     int64_t bn, bk, sld, scale_rows;
@@ -144,7 +145,7 @@ static inline Weight weight_cols(Weight w, int64_t n0) {
         w.q += n0;
         w.scales += (n0 / w.bn) * w.sld;
         w.scale_rows -= n0 / w.bn;
-    } else if (w.fmt == 2) {
+    } else if (w.fmt == 2 || w.fmt == 3) {
         w.q += n0 * w.ld * 2;
     } else {
         w.p += w.kn ? n0 : n0 * w.ld;

@@ -186,7 +186,8 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
     int64_t D = d->hidden, hc = d->hc;
     g_threads = threads > 0 ? threads : 1;
     int64_t ms = m->head_fn.kn ? padded(hc) : hc;
-    if (arena_reserve(ar, (N * hc * D + N * ms + N * D) * 4 + 256) != 0) return -1;
+    int pairs = m->lm_head.fmt == 3;  /* the head takes its rows rounded to bf16 (host_pairs.c) */
+    if (arena_reserve(ar, (N * hc * D + N * ms + N * D + (pairs ? N * D / 2 + 1 : 0)) * 4 + 320) != 0) return -1;
     float *flat = take(ar, N * hc * D), *mix = take(ar, N * ms), *h = take(ar, N * D);
     memcpy(flat, streams, (size_t)(N * hc * D) * 4);
     rms_norm(flat, N, hc * D, NULL, d->rms_eps);
@@ -200,7 +201,13 @@ int ds4_logits(const Model *m, const float *streams, int64_t N, float *logits, A
         }
     }
     rms_norm(h, N, D, m->final_norm, d->rms_eps);
-    linear(h, D, N, D, m->lm_head, d->vocab, logits, d->vocab);
+    if (pairs) {
+        uint16_t *hb = (uint16_t *)take(ar, N * D / 2 + 1);
+        p16_round_rows(h, D, N, D, hb);
+        linear((const float *)hb, D, N, D, m->lm_head, d->vocab, logits, d->vocab);
+    } else {
+        linear(h, D, N, D, m->lm_head, d->vocab, logits, d->vocab);
+    }
     return 0;
 }
 

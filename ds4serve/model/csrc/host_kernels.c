@@ -231,6 +231,10 @@ static void b16_tile(const float *x, int64_t ldx, int mr, int64_t K, const uint8
 static void f8_row_blocks(void *c, int64_t lo, int64_t hi);
 static void f8_blocks(void *c, int64_t lo, int64_t hi);
 static int64_t f8_panel_cap(int64_t M);
+/* host_pairs.c: the bf16 head on bf16 activations (fmt 3; its tile sizes are there) */
+static void p16_tile(const uint16_t *x, int64_t ldx, int mr, int64_t K, const uint8_t *w, int64_t ld, int nr,
+                     float *y, int64_t ldy, int alone);
+static void p16_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb);
 /* a bf16 [N, K] tile (b16_tile): rows x outputs, every head row decoded once per B16_MR rows: 8 x 3
    accumulators in AVX-512's 32 registers, 4 x 2 in AVX2's 16; one row alone takes B16_NR1 outputs (more
    rows streaming at once: 3 were 0.90x the 4 before at one row; with the prefetches to L2, 8 ran 1.02x /
@@ -249,18 +253,21 @@ static int64_t f8_panel_cap(int64_t M);
 #define B16_NR1 4  /* 8 accumulators and 8 weight vectors would not fit AVX2's 16 registers */
 #endif
 #endif
-/* outputs per column block of an [N, K] product of M rows */
-static inline int64_t nk_width(const Weight *w, int64_t M) { return w->fmt == 2 ? (M == 1 ? B16_NR1 : B16_NR) : 4; }
+/* outputs per column block of an [N, K] product of M rows, and rows a tile (host_pairs.c, after the last
+   tile sizes) */
+static inline int64_t nk_width(const Weight *w, int64_t M);
+static inline int64_t nk_rows(const Weight *w);
 /* up to this many rows stream the rows of an FP8 weight (each weight decoded once per 8 rows); more decode
    blocks under the register tiles, which reuse each decoded weight for every row */
 #ifndef F8_ROWS_THRESHOLD
 #define F8_ROWS_THRESHOLD 40
 #endif
 
-/* [N, K] weights: fp32 (nk_tile) or bf16 (b16_tile, the same order) */
+/* [N, K] weights: fp32 (nk_tile), bf16 (b16_tile, the same order) or bf16 on bf16 inputs (p16_tile: x
+   holds bf16 rows, ldx in bf16 values) */
 static void nk_blocks(void *c, int64_t lo, int64_t hi) {
     const LinearJob *j = (const LinearJob *)c;
-    const int64_t width = nk_width(&j->w, j->M), rows = j->w.fmt == 2 ? B16_MR : 4;
+    const int64_t width = nk_width(&j->w, j->M), rows = nk_rows(&j->w);
     for (int64_t b = lo; b < hi; b++) {
         int64_t n0 = b * width;
         int nr = (int)(j->N - n0 < width ? j->N - n0 : width);
@@ -269,7 +276,10 @@ static void nk_blocks(void *c, int64_t lo, int64_t hi) {
             mr = (j->M - m0 + left - 1) / left;
             const float *x = j->x + m0 * j->ldx;
             float *y = j->y + m0 * j->ldy + n0;
-            if (j->w.fmt == 2)
+            if (j->w.fmt == 3)
+                p16_tile((const uint16_t *)j->x + m0 * j->ldx, j->ldx, (int)mr, j->K, j->w.q + n0 * j->w.ld * 2,
+                         j->w.ld, nr, y, j->ldy, j->M == 1);
+            else if (j->w.fmt == 2)
                 b16_tile(x, j->ldx, (int)mr, j->K, j->w.q + n0 * j->w.ld * 2, j->w.ld, nr, y, j->ldy, j->M == 1);
             else
                 nk_tile(x, j->ldx, (int)mr, j->K, j->w.p + n0 * j->w.ld, j->w.ld, nr, y, j->ldy);

@@ -573,6 +573,14 @@ static void b16_row(const uint8_t *table, int64_t row, int64_t D, float *out) {
    forward calls linear() itself). ldy: the row stride of y (padded(N) for fp32 and FP8 [K, N]). */
 int ds4_linear(const float *x, int64_t M, int64_t K, const Weight *w, int64_t N, float *y, int64_t ldy, int threads) {
     g_threads = threads > 0 ? threads : 1;
+    if (w->fmt == 3) {  /* rows rounded to bf16 first, as ds4_logits does (host_pairs.c) */
+        uint16_t *xb = malloc((size_t)(M * K + 1) * 2);
+        if (!xb) return -1;
+        p16_round_rows(x, K, M, K, xb);
+        linear((const float *)xb, K, M, K, *w, N, y, ldy);
+        free(xb);
+        return 0;
+    }
     linear(x, K, M, K, *w, N, y, ldy);
     return 0;
 }
