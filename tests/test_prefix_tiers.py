@@ -15,6 +15,7 @@ import logging
 import stat
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from ds4serve.cache.spilled import read_header
@@ -241,6 +242,10 @@ def test_tier_settings_are_checked():
     cfg = tier_config(EngineSettings(prefix_cache_host_bytes="2MiB", prefix_cache_disk_bytes=4096), "fp")
     assert (cfg.host_bytes, cfg.disk_dir, cfg.disk_bytes) == (2 * 2**20, None, 4096)
     assert 0 < tier_config(EngineSettings(), "fp").host_bytes <= 2**30
+    assert 0 < tier_config(EngineSettings(), "fp", torch.device("cuda")).host_bytes <= 2**30
+    # a CPU pool is host memory already: no second cache there unless asked for
+    assert tier_config(EngineSettings(), "fp", torch.device("cpu")).host_bytes == 0
+    assert tier_config(EngineSettings(prefix_cache_host_bytes="2MiB"), "fp", torch.device("cpu")).host_bytes == 2**21
 
 
 def test_a_directory_that_cannot_be_one_is_named(tmp_path):

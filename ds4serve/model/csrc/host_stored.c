@@ -329,10 +329,12 @@ F8_ROWS(2)
 /* ---- FP8 [K, N]: 3 to 8 rows, sixteen weight rows a pass, the accumulators in registers ----------- */
 
 #define F8_MG 16  /* weight rows a pass of f8_many: the outputs are loaded and stored once per 16 */
+#ifndef F8_MNV
 #if VW == 16
 #define F8_MNV 2  /* output vectors a step holds: 8 rows x 2 accumulators fit AVX-512's 32 registers */
 #else
 #define F8_MNV 1  /* and 8 x 1 AVX2's 16 */
+#endif
 #endif
 
 /* MR rows x NV vectors of outputs from y over the F8_MG weight rows from p (row stride ld): each output's
