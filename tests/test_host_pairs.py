@@ -8,9 +8,11 @@ fmaf) and znver3 (AVX2)."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ import torch
 from ds4serve.llm import LLM
 from ds4serve.model import host_forward, host_pairs
 from ds4serve.model.host_abi import _Weight
+from ds4serve.model.stored import StoredWeight
 from ds4serve.settings import HEAD_ACTIVATION_MODES, ConfigError, EngineSettings
 from model_helpers import random_ids
 from test_stored_weights import flash_dir  # noqa: F401  (the module fixture: FP8 + bf16 head + MXFP4)
@@ -168,7 +171,7 @@ def _build(march: str, tmp: Path) -> ctypes.CDLL | None:
     return so
 
 
-def test_the_avx512f_emulation_equals_the_instruction(lib, tmp_path):
+def test_the_avx512f_emulation_equals_the_instruction(lib, tmp_path, caplog):
     """A build for an AVX-512 CPU without BF16 (Skylake) emulates vdpbf16ps with fused multiply-adds: the
     same bits as this build's kernel and the definition."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -178,6 +181,13 @@ def test_the_avx512f_emulation_equals_the_instruction(lib, tmp_path):
     if so is None:
         pytest.skip("no compiler for -march=skylake-avx512")
     assert so.ds4_p16_native() == 0 and b"emulation" in so.ds4_p16_kernel()
+    # on such a CPU auto keeps the fp32 rows (the emulation is slower); an explicit bf16 gets it, warned
+    model = SimpleNamespace(lm_head=SimpleNamespace(weight=StoredWeight("bf16", torch.zeros(32, 64, dtype=torch.bfloat16))))
+    assert host_pairs.choose_head_activations(model, "auto", so) == "fp32"
+    with caplog.at_level(logging.WARNING, logger="ds4serve.model.host_pairs"):
+        assert host_pairs.choose_head_activations(model, "bf16", so) == "bf16"
+    assert "emulation" in caplog.text and "slower" in caplog.text
+    assert host_pairs.choose_head_activations(model, "auto", lib) == ("bf16" if lib.ds4_p16_native() else "fp32")
     x, w = _inputs(9, 23, 4096 + 17, seed=5)
     want = _oracle(x.numpy(), _bits(w))
     assert _same(host_pairs.product(so, x, w, threads=2).numpy(), want)

@@ -36,14 +36,18 @@ def choose_head_activations(model: nn.Module, mode: str, lib: ctypes.CDLL) -> st
     """``bf16`` or ``fp32``: what the native forward's LM head multiplies a bf16-stored head by. ``bf16``
     (host_pairs.c) rounds the head's input rows to bf16, as llama.cpp does, and adds bf16 pairs: one
     vdpbf16ps does the work of two fp32 FMAs; ``fp32`` (host_stored.c) computes exactly what the
-    dequantised head computes. ``auto`` takes bf16 where this CPU has the instruction (elsewhere the
-    bf16 product is emulated, bit for bit, and is slower than fp32). A head that is not stored as bf16
-    says fp32 (nothing to choose)."""
+    dequantised head computes. ``auto`` takes bf16 where this CPU has the instruction; elsewhere the
+    bf16 product is emulated bit for bit, 1.4-6x slower than fp32 (csrc/host_pairs.c), so only an
+    explicit ``bf16`` takes it there. A head that is not stored as bf16 says fp32 (nothing to choose)."""
     if mode not in HEAD_ACTIVATIONS:
         raise ValueError(f"head_activations must be one of {', '.join(HEAD_ACTIVATIONS)}, got {mode!r}")
     if bf16_head(model) is None or mode == "fp32":
         return "fp32"
-    if mode == "bf16" or lib.ds4_p16_native():
+    if lib.ds4_p16_native():
+        return "bf16"
+    if mode == "bf16":
+        log.warning("head_activations='bf16' on a CPU without AVX-512 BF16: the head runs the instruction's "
+                    "exact emulation (%s), 1.4-6x slower than --head-activations fp32", lib.ds4_p16_kernel().decode())
         return "bf16"
     log.info("the bf16 LM head multiplies fp32 activations (this CPU has no AVX-512 BF16; --head-activations "
              "bf16 runs its emulation, the same bits, slower)")

@@ -21,9 +21,12 @@
    FTZ, round to nearest even; measured bit-equal on 31.6 M random lane operations, random bit patterns
    included, on a Zen 5), so with __AVX512BF16__ the loop is one instruction a pair vector; every other
    build emulates it with two fused multiply-adds and the flushes (fma16: libm's fmaf where the target has
-   no FMA, so still fused). ds4_p16_reference computes the definition in scalar C: the start-up probe
-   (host_pairs.py) holds the kernel bit-equal to it on the machine that serves, and the tests hold both to
-   an independent oracle on every build target CI tests. */
+   no FMA, so still fused). The emulation exists for the same bits everywhere, not for speed: on the
+   129,280 x 4096 head it takes 42 / 177 ms for 1 / 8 rows on AVX-512F and 83-92 / 429 ms on AVX2, against
+   ~30 / 54 ms for the fp32 rows (b16_tile), so `auto` picks it only where the instruction is.
+   ds4_p16_reference computes the definition in scalar C: the start-up probe (host_pairs.py) holds the
+   kernel bit-equal to it on the machine that serves, and the tests hold both to an independent oracle on
+   every build target CI tests. */
 
 #if defined(__AVX512BF16__) && VW == 16
 #define P16_NATIVE 1
@@ -41,6 +44,7 @@
 
 typedef float f16x __attribute__((vector_size(64)));     /* sixteen fp32 lanes, whatever the build's width */
 typedef uint32_t u16x __attribute__((vector_size(64)));  /* ... or 32 bf16 values, as 16 pairs */
+typedef int32_t i16x __attribute__((vector_size(64)));
 
 /* fp32 -> bf16: nearest, ties to even; zero and subnormals to a zero of their sign; NaN stays NaN */
 static inline uint16_t p16_round(float f) {
@@ -99,14 +103,14 @@ static inline f16x fma16(f16x a, f16x b, f16x c) {
 #if VW == 16
     return (f16x)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__) && (defined(__x86_64__) || defined(__i386__))
-    __m256 a2[2], b2[2], c2[2];
-    memcpy(a2, &a, sizeof a);
-    memcpy(b2, &b, sizeof b);
-    memcpy(c2, &c, sizeof c);
-    c2[0] = _mm256_fmadd_ps(a2[0], b2[0], c2[0]);
-    c2[1] = _mm256_fmadd_ps(a2[1], b2[1], c2[1]);
-    memcpy(&c, c2, sizeof c);
-    return c;
+    /* the halves as register values (shuffles, not a round trip through memory) */
+    __m256 lo = _mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 hi = _mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector((f8x)lo, (f8x)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
     for (int i = 0; i < 16; i++) c[i] = fmaf(a[i], b[i], c[i]);  /* fused even without the instruction */
     return c;
@@ -116,7 +120,9 @@ static inline f16x fma16(f16x a, f16x b, f16x c) {
 static inline f16x p16_flush(f16x v) {  /* subnormal lanes to a zero of their sign */
     u16x b;
     memcpy(&b, &v, sizeof b);
-    u16x tiny = (u16x)((b & 0x7F800000u) == 0);  /* all ones where the exponent is zero */
+    /* all ones where the exponent is zero: (exponent - 1) goes negative only there (a compare of these
+       16-lane vectors was scalarised by GCC 12 on AVX2, 22x slower) */
+    u16x tiny = (u16x)((i16x)((b & 0x7F800000u) - 1u) >> 31);
     b &= ~(tiny & 0x7FFFFFFFu);
     memcpy(&v, &b, sizeof v);
     return v;
@@ -135,7 +141,8 @@ static inline f16x p16_step(f16x acc, u16x x, u16x w) {  /* the inputs are flush
 #endif
 
 /* tiles: MR rows x NR outputs of accumulators (AVX-512 BF16: 8 x 3 and one row alone x 8, as b16_tile;
-   the emulations hold two 16-lane sums a vector pair and take 4 x 2 and 1 x 4) */
+   the emulations take 4 x 2 and 1 x 4; on AVX2 a 16-lane sum is two vectors and 4 x 2 of them spill, but
+   2 x 2 read the head twice as often and ran 8 rows 1.13x slower) */
 #if P16_NATIVE
 #define P16_MR 8
 #define P16_NR 3
