@@ -4,6 +4,7 @@ drafter really drafting (its blocks verified every step) and its states fed only
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -123,3 +124,84 @@ def test_seeded_sampling_with_model_drafts(dspark_ckpt, acceptance):
         assert got == want
     else:
         assert [len(g) for g in got] == [len(w) for w in want]
+
+
+def _survival_case(survival: tuple[float, ...], proposal: tuple[int, ...] = (7, 8, 9, 10, 11), rid: str = "r"):
+    from ds4serve.engine.sampling import SamplingParams
+    from ds4serve.scheduler.request import Request
+    from ds4serve.scheduler.spec import RequestSpec
+
+    req = Request(rid, RequestSpec(prompt_ids=(1, 2, 3), params=SamplingParams(max_tokens=50, temperature=0.0)))
+    req.computed = 3
+    req.proposal, req.proposal_at, req.proposal_survival = proposal, 3, survival
+    return req
+
+
+def _limits():
+    from ds4serve.scheduler.admission import SchedulerLimits
+
+    return SchedulerLimits(num_layers=4, max_model_len=512, step_tokens=64, max_prefill_tokens=64, min_prefill_tokens=1,
+                           prefill_mode="chunked", max_queue=8)
+
+
+def _expected_rate(rows: list[tuple[float, ...]], n: int, costs: tuple[float, float, float]) -> float:
+    """Expected tokens per second of a step of ``n`` decoders verifying ``rows[r]`` of each block
+    (written here from the objective, independently of the planner)."""
+    a, b, c = costs
+    taken = sum(len(r) for r in rows)
+    return (n + sum(sum(r) for r in rows)) / (a + b * n + c * taken)
+
+
+def test_survival_decides_how_much_of_a_model_block_is_verified():
+    """A checkpoint drafter's block is verified as far as its rows raise the step's expected tokens per
+    second: a confident block whole, a doubtful one cut where its estimate turns doubtful, whatever the
+    request's acceptance rate (``ceil(k * rate)`` would verify 2 of each at rate 0.4)."""
+    from itertools import product
+
+    from ds4serve.scheduler.drafting import DraftPolicy
+
+    policy = DraftPolicy(k=5, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=100, source="model")
+    costs = (1e-3, 0.0, 1e-4)  # a row costs a tenth of the step: a rate of 0.4 pays beside 2 decoders
+    sure = _survival_case((0.95, 0.9, 0.85, 0.8, 0.75), rid="sure")
+    doubt = _survival_case((0.6, 0.3, 0.1, 0.05, 0.01), (20, 21, 22, 23, 24), rid="doubt")
+    for req in (sure, doubt):
+        req.draft_rate = 0.4
+    got = policy.plan([sure, doubt], _limits(), costs)
+    assert got["sure"] == (7, 8, 9, 10, 11)
+    # the best cut by brute force over every pair of prefixes
+    best = max(product(range(6), range(6)), key=lambda t: _expected_rate(
+        [sure.proposal_survival[:t[0]], doubt.proposal_survival[:t[1]]], 2, costs))
+    assert (len(got["sure"]), len(got.get("doubt", ()))) == best
+    assert 0 < len(got["doubt"]) < 5
+
+
+def test_survival_rows_take_the_budget_best_first():
+    """Under a row budget the most probable rows win, across requests: each block is still a prefix."""
+    from ds4serve.scheduler.drafting import DraftPolicy
+
+    policy = DraftPolicy(k=5, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=100, source="model", share=1.0)
+    a = _survival_case((0.9, 0.5, 0.4, 0.3, 0.2), rid="a")
+    b = _survival_case((0.8, 0.7, 0.6, 0.1, 0.1), (30, 31, 32, 33, 34), rid="b")
+    limits = dataclasses.replace(_limits(), step_tokens=6)  # 6 - 2 decoders = 4 spare rows
+    got = policy.plan([a, b], limits, (1e-3, 0.0, 1e-6))
+    assert got == {"a": (7,), "b": (30, 31, 32)}
+
+
+def test_a_drafter_whose_estimates_ran_high_gets_shorter_blocks():
+    """The estimates are scaled by what they were worth for this request: after drafts whose accepted
+    tokens fell well short of their estimates, the same block is cut earlier (and back to whole once the
+    record is good again)."""
+    from ds4serve.scheduler.drafting import DraftPolicy, record
+
+    policy = DraftPolicy(k=5, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=100, source="model")
+    costs = (1e-3, 0.0, 2e-4)
+    survival = (0.9, 0.8, 0.7, 0.6, 0.5)
+    req = _survival_case(survival)
+    assert len(policy.plan([req], _limits(), costs)["r"]) == 5
+    for _ in range(10):
+        record(req, 5, 0, sum(survival))  # nothing accepted of blocks estimated at 3.5 tokens
+    assert req.survival_scale < 0.2
+    assert len(policy.plan([req], _limits(), costs).get("r", ())) < 2
+    for _ in range(20):
+        record(req, 5, 5, sum(survival))
+    assert len(policy.plan([req], _limits(), costs)["r"]) == 5

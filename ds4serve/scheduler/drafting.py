@@ -11,9 +11,12 @@ request drafts only while its acceptance rate pays for its rows beside the step'
 (``worth``: ``rate > c n / (a + b n)``), so drafting turns itself down as the batch
 fills and a loaded server is not slower for it; and all drafts together take at most ``share`` of the
 rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``, the rest stays with
-prefill progress). Requests whose drafts were accepted most often go first, and each drafts
-``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own acceptance
-(starting at 1, as a new request has no history). A request whose rate does not pay drafts a single
+prefill progress). Requests whose drafts were accepted most often go first, and each n-gram draft
+holds ``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own
+acceptance (starting at 1, as a new request has no history). A checkpoint drafter's block says more: its
+survival estimate at each row (the confidence product), scaled by what such estimates were worth for the
+request so far, is the row's probability of acceptance, and the step verifies the rows that raise its
+expected tokens per second, best first across requests (``_by_survival``). A request whose rate does not pay drafts a single
 token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that fell during one
 stretch of text can recover in the next.
 
@@ -27,6 +30,7 @@ id (proposals copied from a prompt's image block end before it): image blocks co
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from .request import Request
 
 RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (one verify step = one sample)
 PROBE_EVERY = 16  # a request whose rate does not pay drafts one token this often, so the rate can recover
+SURVIVAL_DECAY = 0.8  # weight of the past in a request's record of its drafter's survival estimates
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class DraftPolicy:
         budget = int(limits.prefill_tokens(len(decoders)) * self.share)
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
+        surviving: list[Request] = []  # model blocks whose length the survival estimate decides (below)
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
@@ -81,12 +87,51 @@ class DraftPolicy:
             n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
                 continue
+            if self.source == "model" and not probe and req.proposal_survival:
+                surviving.append(req)
+                continue
             draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)
             draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
+        if surviving and budget > 0:
+            out.update(self._by_survival(surviving, len(decoders), costs, limits.max_model_len, budget))
         return out
+
+    def _by_survival(self, reqs: Sequence[Request], n: int, costs: Sequence[float], max_model_len: int,
+                     budget: int) -> dict[str, tuple[int, ...]]:
+        """The rows of checkpoint-drafter blocks that raise the step's expected tokens per second (§5.3's
+        verify budget). Row ``i`` of a block is accepted with probability ``s_i``, the drafter's survival
+        estimate at ``i`` (the product of its confidences) scaled by the request's record of what such
+        estimates were worth (``survival_scale``). A step of ``n`` decoders and ``D`` draft rows costs
+        ``a + b n + c D`` (the blocks are drafted already: their drafter seconds are spent whatever is
+        verified, so a row costs its verification alone; whether to draft a block at all is ``wants_block``'s
+        question) and yields ``n + sum s`` tokens; adding a row of estimate ``s`` raises that ratio iff
+        ``s > c (n + sum s) / (a + b n + c D)``.
+        Rows are taken best first across requests (each block's estimates fall along it, so a block is
+        always cut to a prefix) while they pass, within ``budget`` rows. Against the rate rule's
+        ``ceil(k * rate)``, a confident block is verified whole and a doubtful one is cut where it turns
+        doubtful, whatever the request's past."""
+        a, b, row_cost = costs if len(costs) == 3 else (1.0, 0.0, 0.0)
+        heads: list[tuple[float, int, int]] = []
+        blocks: list[tuple[float, ...]] = []
+        for i, req in enumerate(reqs):
+            block = self._proposal(req, self._length(req, max_model_len, self.k))
+            scale = req.survival_scale
+            blocks.append(tuple(min(1.0, s * scale) for s in req.proposal_survival[:len(block)]))
+            if blocks[-1]:
+                heapq.heappush(heads, (-blocks[-1][0], i, 0))
+        tokens, seconds = float(n), a + b * n
+        taken = [0] * len(reqs)
+        while heads and budget > 0:
+            neg, i, pos = heapq.heappop(heads)
+            if -neg * seconds <= row_cost * tokens:
+                break  # no row left raises tokens per second: every other estimate is lower still
+            taken[i], tokens, seconds, budget = pos + 1, tokens - neg, seconds + row_cost, budget - 1
+            if pos + 1 < len(blocks[i]):
+                heapq.heappush(heads, (-blocks[i][pos + 1], i, pos + 1))
+        return {req.request_id: req.proposal[:t] for req, t in zip(reqs, taken) if t}
 
     def bar(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> float:
         """The acceptance rate ``req``'s draft must beat beside ``n`` decoders: ``worth``, with a checkpoint
@@ -144,10 +189,11 @@ class DraftPolicy:
             req.ngram = SuffixIndex(self.min_n, self.max_n, self.window)
         return req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
 
-    def _length(self, req: Request, max_model_len: int) -> int:
-        """The longest draft worth verifying for ``req``: its rate's share of ``k``, within what it may
-        still generate (the verified token after the draft counts too) and what the cache can undo."""
-        want = max(1, math.ceil(self.k * req.draft_rate))
+    def _length(self, req: Request, max_model_len: int, want: int | None = None) -> int:
+        """The longest draft worth verifying for ``req``: ``want``, by default its rate's share of ``k``,
+        within what it may still generate (the verified token after the draft counts too) and what the
+        cache can undo."""
+        want = max(1, math.ceil(self.k * req.draft_rate)) if want is None else want
         room = min(req.params.max_tokens - len(req.output_ids), max_model_len - req.total_len) - 1
         return max(0, min(want, room, self.max_rows))
 
@@ -166,8 +212,13 @@ def worth(n: int, costs: Sequence[float], extra: float = 0.0) -> float:
     return (c + extra) * n / (a + b * n)
 
 
-def record(req: Request, drafted: int, accepted: int) -> None:
-    """Fold one verify step into ``req``'s acceptance rate and counts."""
+def record(req: Request, drafted: int, accepted: int, expected: float | None = None) -> None:
+    """Fold one verify step into ``req``'s acceptance rate and counts; ``expected``: the drafter's own
+    survival estimates of those rows, summed (a checkpoint drafter's block), folded into
+    ``req.survival_scale``'s record."""
     req.drafted_tokens += drafted
     req.accepted_tokens += accepted
     req.draft_rate = RATE_DECAY * req.draft_rate + (1 - RATE_DECAY) * (accepted / drafted)
+    if expected is not None:
+        req.survival_hits = SURVIVAL_DECAY * req.survival_hits + accepted
+        req.survival_expected = SURVIVAL_DECAY * req.survival_expected + expected

@@ -87,6 +87,10 @@ class Request:
     proposal: tuple[int, ...] = ()  # a model drafter's block, drafted for the decode row at ``proposal_at``
     proposal_at: int = -1
     proposal_survival: tuple[float, ...] = ()  # the drafter's confidence product at each block position
+    # decayed sums of the tokens its model drafts got accepted and of the survival estimates of those rows
+    # (scheduler.drafting.record): how far the drafter's estimates are to be believed for this request
+    survival_hits: float = 0.0
+    survival_expected: float = 0.0
     ngram: Any = None  # its prompt-lookup index (engine.ngram.SuffixIndex), made at its first n-gram draft
     # prompt logprobs as the prefill steps report them: entry i scores prompt token i + 1 (engine.plan's
     # PromptLogprobs); delivered with the first output (``prompt_lp_sent``), never computed again after that
@@ -128,6 +132,13 @@ class Request:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def survival_scale(self) -> float:
+        """How much its model drafter's survival estimates are worth: accepted tokens per estimated one
+        over its recent drafts, from a pseudo-record of one estimated token accepted (so a new request
+        believes its drafter), within ``[0.1, 2]``."""
+        return min(2.0, max(0.1, (self.survival_hits + 1.0) / (self.survival_expected + 1.0)))
 
     @property
     def pending(self) -> int:

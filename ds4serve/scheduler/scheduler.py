@@ -425,7 +425,8 @@ class Scheduler(MemoryPressure):
 
     def _count_draft(self, req: Request, draft: tuple[int, ...], accepted: int) -> None:
         """Acceptance figures: the request's own rate (its next draft lengths) and the step totals."""
-        record(req, len(draft), accepted)
+        survival = req.proposal_survival if req.proposal_at == req.computed - 1 - accepted else ()
+        record(req, len(draft), accepted, sum(survival[:len(draft)]) if len(survival) >= len(draft) else None)
         self.spec["verify_steps"] += 1
         self.spec["drafted_tokens"] += len(draft)
         self.spec["accepted_tokens"] += accepted
