@@ -31,50 +31,55 @@ KN_TILE(4)
 KN_TILE(5)
 KN_TILE(6)
 
-/* the same for up to 6 rows x nv < 4 vectors (the last block of a padded small projection: the mHC
-   mixes are 24 columns = 2 vectors); 6 full rows with a constant vector count keep registers, the rest
-   take the generic loop */
-#define KN_TILE_6xNV(NV)                                                                                  \
-    static void kn_tile_6x##NV(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw, float *y, \
-                               int64_t ldy, int add) {                                                    \
-        vf acc[6][NV];                                                                                    \
-        for (int i = 0; i < 6; i++)                                                                       \
+/* the same for mr <= 6 rows x nv < 4 vectors (the last block of a padded small projection: the mHC
+   mixes are 24 columns = 2 vectors, a q_a of 96 columns ends in 2): one function per (rows, vectors), so
+   the accumulators stay in registers (a generic loop over a runtime count spilled them: a verify step of
+   4-5 rows on the bundled model spent 12% of its time there). Every output is the same fused
+   multiply-add chain in k order as in every other tile. On AVX2 builds (KN_NV = 2) every block takes
+   these. The weight rows of a [K, N] product are ldw floats apart (a page or more for N >= 1024), where
+   the hardware prefetchers do not follow, so the row KN_PF ahead is prefetched (16 decoder rows of the
+   Flash-shaped checkpoint on Zen 3: +10% tok/s). */
+#ifndef KN_PF
+#define KN_PF 16
+#endif
+#define KN_PREFETCH(p, NV)                                                                  \
+    do {                                                                                    \
+        for (int j_ = 0; j_ < (NV) * VW; j_ += 16) __builtin_prefetch((p) + j_, 0, 3);       \
+    } while (0)
+#define KN_TILE_MxNV(MR, NV)                                                                              \
+    static void kn_tile_##MR##x##NV(const float *x, int64_t ldx, int64_t K, const float *w, int64_t ldw,  \
+                                    float *y, int64_t ldy, int add) {                                     \
+        vf acc[MR][NV];                                                                                   \
+        for (int i = 0; i < MR; i++)                                                                      \
             for (int j = 0; j < NV; j++) acc[i][j] = add ? vload(y + i * ldy + j * VW) : (vf){};          \
         for (int64_t k = 0; k < K; k++) {                                                                 \
             vf b[NV];                                                                                     \
+            KN_PREFETCH(w + (k + KN_PF) * ldw, NV);                                                       \
             for (int j = 0; j < NV; j++) b[j] = vload(w + k * ldw + j * VW);                              \
-            for (int i = 0; i < 6; i++) {                                                                 \
+            for (int i = 0; i < MR; i++) {                                                                \
                 vf a = vsplat(x[i * ldx + k]);                                                            \
                 for (int j = 0; j < NV; j++) acc[i][j] = vfma(a, b[j], acc[i][j]);                        \
             }                                                                                             \
         }                                                                                                 \
-        for (int i = 0; i < 6; i++)                                                                       \
+        for (int i = 0; i < MR; i++)                                                                      \
             for (int j = 0; j < NV; j++) vstore(y + i * ldy + j * VW, acc[i][j]);                        \
     }
-KN_TILE_6xNV(1)
-KN_TILE_6xNV(2)
-KN_TILE_6xNV(3)
+#define KN_TILES_NV(MR) KN_TILE_MxNV(MR, 1) KN_TILE_MxNV(MR, 2) KN_TILE_MxNV(MR, 3)
+KN_TILES_NV(1)
+KN_TILES_NV(2)
+KN_TILES_NV(3)
+KN_TILES_NV(4)
+KN_TILES_NV(5)
+KN_TILES_NV(6)
+
+typedef void (*KnTile)(const float *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int);
+#define KN_ROW_NV(MR) {kn_tile_##MR##x1, kn_tile_##MR##x2, kn_tile_##MR##x3}
+static const KnTile KN_NARROW[6][3] = {KN_ROW_NV(1), KN_ROW_NV(2), KN_ROW_NV(3), KN_ROW_NV(4), KN_ROW_NV(5),
+                                       KN_ROW_NV(6)};
 
 static void kn_tile_narrow(const float *x, int64_t ldx, int mr, int64_t K, const float *w, int64_t ldw, int nv,
                            float *y, int64_t ldy, int add) {
-    if (mr == 6) {
-        if (nv == 1) kn_tile_6x1(x, ldx, K, w, ldw, y, ldy, add);
-        else if (nv == 2) kn_tile_6x2(x, ldx, K, w, ldw, y, ldy, add);
-        else kn_tile_6x3(x, ldx, K, w, ldw, y, ldy, add);
-        return;
-    }
-    vf acc[6][4];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) acc[i][j] = add ? vload(y + i * ldy + j * VW) : (vf){};
-    for (int64_t k = 0; k < K; k++) {
-        const float *wr = w + k * ldw;
-        for (int j = 0; j < nv; j++) {
-            vf b = vload(wr + j * VW);
-            for (int i = 0; i < mr; i++) acc[i][j] = vfma(vsplat(x[i * ldx + k]), b, acc[i][j]);
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) vstore(y + i * ldy + j * VW, acc[i][j]);
+    KN_NARROW[mr - 1][nv - 1](x, ldx, K, w, ldw, y, ldy, add);
 }
 
 /* add: start from the outputs already in y (a later block of K rows) instead of zero; continuing the
@@ -321,6 +326,43 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y +=
     vf va = vsplat(a);
     for (; k < kv; k += VW) vstore(y + k, vfma(va, vload(x + k), vload(y + k)));
     for (; k < n; k++) y[k] = sfma(a, x[k], y[k]);
+}
+
+/* ATT_KEYS dots of one vector with ATT_KEYS rows at once: each is dot()'s own chain (the same bits), but
+   the chains are in flight together where one dot alone waits on its multiply-add latency (an
+   attention logit over a 512-wide head was one chain of 64) */
+#define ATT_KEYS 8
+static inline void dots(const float *a, const float *const *b, int64_t n, float *out) {
+    vf c[ATT_KEYS] = {};
+    int64_t k = 0, kv = n - n % VW;
+    for (; k < kv; k += VW) {
+        vf x = vload(a + k);
+        for (int j = 0; j < ATT_KEYS; j++) c[j] = vfma(x, vload(b[j] + k), c[j]);
+    }
+    for (int j = 0; j < ATT_KEYS; j++) {
+        float s = vsum(c[j]);
+        for (int64_t kk = k; kk < n; kk++) s = sfma(a[kk], b[j][kk], s);
+        out[j] = s;
+    }
+}
+
+/* axpy() of cnt <= ATT_KEYS rows in turn, y += a[0] x[0], then a[1] x[1], ...: every output takes the
+   same multiply-adds in the same order, but each vector of y is loaded and stored once, not cnt times */
+static inline void axpys(float *y, const float *a, const float *const *x, int cnt, int64_t n) {
+    if (cnt < 4) {
+        for (int j = 0; j < cnt; j++) axpy(y, a[j], x[j], n);
+        return;
+    }
+    vf va[ATT_KEYS];
+    for (int j = 0; j < cnt; j++) va[j] = vsplat(a[j]);
+    int64_t k = 0, kv = n - n % VW;
+    for (; k < kv; k += VW) {
+        vf acc = vload(y + k);
+        for (int j = 0; j < cnt; j++) acc = vfma(va[j], vload(x[j] + k), acc);
+        vstore(y + k, acc);
+    }
+    for (; k < n; k++)
+        for (int j = 0; j < cnt; j++) y[k] = sfma(a[j], x[j][k], y[k]);
 }
 
 /* ---- elementwise blocks (norms.py, rope.py, mhc.py) ------------------------------------------- */

@@ -165,35 +165,64 @@ static inline const float *key_row(const Keys *k, int64_t i) {
 /* heads [0, nh) of one token over its sliding and compressed keys, with the sinks (sink_attention).
    DS4 has one K=V head (MQA): every key row is read once for all these heads, which matters with many
    heads (Flash has 64 per rank). q / out: [nh, hd]; probs: [nh, stride] */
-static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks, float *probs, int64_t stride,
-                   float *out) {
-    int64_t n = k->Kw + k->Kc, hd = k->hd;
-    float scale = 1.0f / sqrtf((float)hd), mx[DS4_MAX_GROUP_HEADS], denom[DS4_MAX_GROUP_HEADS];
-    BOUND("heads in one attention item", nh - 1, DS4_MAX_GROUP_HEADS);
-    for (int64_t h = 0; h < nh; h++) mx[h] = sinks[h];
-    for (int64_t i = 0; i < n; i++) {
-        int ok = i < k->Kw ? k->valid[i] : k->cvalid[i - k->Kw];
-        const float *row = ok ? key_row(k, i) : NULL;
-        for (int64_t h = 0; h < nh; h++) {
-            float l = row ? dot(q + h * hd, row, hd) * scale : -INFINITY;
-            probs[h * stride + i] = l;
-            mx[h] = l > mx[h] ? l : mx[h];
+static void attend_logits(const float *q, int64_t nh, int64_t hd, const float *const *rows, const int64_t *idx,
+                          int cnt, float scale, float *probs, int64_t stride, float *mx) {
+    float l[ATT_KEYS];
+    for (int64_t h = 0; h < nh; h++) {
+        if (cnt == ATT_KEYS) {
+            dots(q + h * hd, rows, hd, l);
+        } else {
+            for (int c = 0; c < cnt; c++) l[c] = dot(q + h * hd, rows[c], hd);
+        }
+        for (int c = 0; c < cnt; c++) {  /* key order, as one key at a time: the same running max */
+            float v = l[c] * scale;
+            probs[h * stride + idx[c]] = v;
+            mx[h] = v > mx[h] ? v : mx[h];
         }
     }
+}
+
+static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks, float *probs, int64_t stride,
+                   float *out) {
+    int64_t n = k->Kw + k->Kc, hd = k->hd, idx[ATT_KEYS];
+    float scale = 1.0f / sqrtf((float)hd), mx[DS4_MAX_GROUP_HEADS], denom[DS4_MAX_GROUP_HEADS], a[ATT_KEYS];
+    const float *rows[ATT_KEYS];
+    int cnt = 0;
+    BOUND("heads in one attention item", nh - 1, DS4_MAX_GROUP_HEADS);
+    for (int64_t h = 0; h < nh; h++) mx[h] = sinks[h];
+    for (int64_t i = 0; i < n; i++) {  /* the valid keys' logits ATT_KEYS at a time (dots) */
+        int ok = i < k->Kw ? k->valid[i] : k->cvalid[i - k->Kw];
+        if (!ok) {
+            for (int64_t h = 0; h < nh; h++) probs[h * stride + i] = -INFINITY;
+            continue;
+        }
+        rows[cnt] = key_row(k, i);
+        idx[cnt++] = i;
+        if (cnt == ATT_KEYS) {
+            attend_logits(q, nh, hd, rows, idx, cnt, scale, probs, stride, mx);
+            cnt = 0;
+        }
+    }
+    if (cnt) attend_logits(q, nh, hd, rows, idx, cnt, scale, probs, stride, mx);
     for (int64_t h = 0; h < nh; h++) {
         float *p = probs + h * stride;
         denom[h] = expf(sinks[h] - mx[h]);
         for (int64_t i = 0; i < n; i++) denom[h] += (p[i] = expf(p[i] - mx[h]));
     }
     memset(out, 0, (size_t)(nh * hd) * 4);
-    for (int64_t i = 0; i < n; i++) {
-        const float *row = NULL;
-        for (int64_t h = 0; h < nh; h++) {
+    for (int64_t h = 0; h < nh; h++) {  /* per head, the keys of nonzero weight in order, ATT_KEYS a pass */
+        cnt = 0;
+        for (int64_t i = 0; i < n; i++) {
             float p = probs[h * stride + i];
             if (p == 0.0f) continue;
-            if (!row) row = key_row(k, i);
-            axpy(out + h * hd, p / denom[h], row, hd);
+            rows[cnt] = key_row(k, i);
+            a[cnt++] = p / denom[h];
+            if (cnt == ATT_KEYS) {
+                axpys(out + h * hd, a, rows, cnt, hd);
+                cnt = 0;
+            }
         }
+        if (cnt) axpys(out + h * hd, a, rows, cnt, hd);
     }
 }
 
