@@ -42,6 +42,13 @@
 #define P16_KERNEL "plain C emulation of vdpbf16ps"
 #endif
 
+/* The 16-lane types below are wider than an AVX2 register: GCC warns that passing them by value changes
+   the ABI (-Wpsabi). Every function here is static and inlined in this one library, so no ABI is
+   crossed; the warning is off for the rest of the file (it failed -Werror builds on AVX2 machines). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 typedef float f16x __attribute__((vector_size(64)));     /* sixteen fp32 lanes, whatever the build's width */
 typedef uint32_t u16x __attribute__((vector_size(64)));  /* ... or 32 bf16 values, as 16 pairs */
 typedef int32_t i16x __attribute__((vector_size(64)));
@@ -244,3 +251,7 @@ int ds4_p16_reference(const float *x, int64_t M, int64_t K, const uint16_t *w, i
     free(xb);
     return 0;
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
