@@ -83,9 +83,15 @@ class SavedRings:
             offset += s.n
         if not picks:
             return
-        pick = torch.tensor(picks, dtype=torch.long, device=self.state.device)
+        # one contiguous run (a single draft's rejected tail, the usual case): slices, not gathers
+        run = picks[-1] - picks[0] + 1 == len(picks)
+        pick = None if run else torch.tensor(picks, dtype=torch.long, device=self.state.device)
+        cut = slice(picks[0], picks[-1] + 1)
+        wheres: dict[int, torch.Tensor] = {}  # ring length -> the ring rows to put back (shared by rings)
         for st, layer in zip(self.state.layers, self.saved):
             for name, rows in layer.items():
                 ring = getattr(st, name)
-                where = self._index(ring.shape[0] // self.state.n_slots).index_select(0, pick)
-                ring.index_copy_(0, where, rows.index_select(0, pick))
+                per = ring.shape[0] // self.state.n_slots
+                if per not in wheres:
+                    wheres[per] = self._index(per)[cut] if run else self._index(per).index_select(0, pick)
+                ring.index_copy_(0, wheres[per], rows[cut] if run else rows.index_select(0, pick))
