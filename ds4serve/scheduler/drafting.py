@@ -212,6 +212,14 @@ def worth(n: int, costs: Sequence[float], extra: float = 0.0) -> float:
     return (c + extra) * n / (a + b * n)
 
 
+def estimated(req: Request, drafted: int, accepted: int) -> float | None:
+    """The drafter's survival estimates of the ``drafted`` rows ``req`` just verified, summed: its block
+    was drafted for the row at ``proposal_at``, which ``computed`` has since passed by 1 + ``accepted``.
+    None for an n-gram draft (no estimates) or a block that is not the one verified."""
+    survival = req.proposal_survival if req.proposal_at == req.computed - 1 - accepted else ()
+    return sum(survival[:drafted]) if drafted and len(survival) >= drafted else None
+
+
 def record(req: Request, drafted: int, accepted: int, expected: float | None = None) -> None:
     """Fold one verify step into ``req``'s acceptance rate and counts; ``expected``: the drafter's own
     survival estimates of those rows, summed (a checkpoint drafter's block), folded into

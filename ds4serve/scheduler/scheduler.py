@@ -28,7 +28,7 @@ from ..engine.encoder import EncoderWorker, ImageState
 from ..multimodal.chunking import next_chunk
 from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                            StepStatus)
-from .drafting import DraftPolicy, record
+from .drafting import DraftPolicy, estimated, record
 from .step_costs import StepCosts
 from .admission import FitLimits, QueueFull, RequestTooLarge, SchedulerLimits, fit, image_bytes
 from .isolation import Quarantine
@@ -425,8 +425,7 @@ class Scheduler(MemoryPressure):
 
     def _count_draft(self, req: Request, draft: tuple[int, ...], accepted: int) -> None:
         """Acceptance figures: the request's own rate (its next draft lengths) and the step totals."""
-        survival = req.proposal_survival if req.proposal_at == req.computed - 1 - accepted else ()
-        record(req, len(draft), accepted, sum(survival[:len(draft)]) if len(survival) >= len(draft) else None)
+        record(req, len(draft), accepted, estimated(req, len(draft), accepted))
         self.spec["verify_steps"] += 1
         self.spec["drafted_tokens"] += len(draft)
         self.spec["accepted_tokens"] += accepted
