@@ -205,3 +205,27 @@ def test_a_drafter_whose_estimates_ran_high_gets_shorter_blocks():
     for _ in range(20):
         record(req, 5, 5, sum(survival))
     assert len(policy.plan([req], _limits(), costs)["r"]) == 5
+
+
+@pytest.mark.parametrize("affordable", [True, False])
+def test_a_prompt_is_read_by_the_drafter_only_where_drafting_could_pay(dspark_ckpt, affordable):
+    """With warm-up off the policy has no costs (every row pays): prompts are captured and committed to
+    the drafter. Once no acceptance rate can pay for a drafter's block at the batch's width (a drafter
+    forward priced at a second), a new prompt costs no capture, no commit and no block, and the output
+    is plain decoding's."""
+    llm = LLM(dspark_ckpt, max_seqs=4, host_kernels="on", warmup=False, speculative=json.dumps({"method": "dspark"}))
+    core = llm.core
+    if not affordable:
+        core.scheduler.step_costs.block_cost = 1.0
+        core.scheduler.step_costs._fitted = (1e-3, 1e-4, 1e-4)
+    committed = []
+    drafts = core.executor.drafts
+    original = drafts.model.commit
+    drafts.model.commit = lambda states, positions, *rest: (committed.append(positions.numel()),
+                                                            original(states, positions, *rest))
+    prompts = _prompts(core.cfg.vocab_size, 4)
+    got = llm.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = LLM(dspark_ckpt, max_seqs=4, host_kernels="on", warmup=False)
+    assert got == plain.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert (sum(committed) > 0) == affordable, committed
+    assert (core.stats.speculation.get("drafted_tokens", 0) > 0) == affordable

@@ -86,6 +86,7 @@ class _PassState:
     rope: RopeTables | None  # the torch path's rotations, made on its first slice (None: not yet, or native)
     cursor: int
     captured: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # a drafter's, by layer
+    follow: bool = False  # a checkpoint drafter reads this pass (some member follows): its layers capture
 
 
 class StepError(RuntimeError):
@@ -288,7 +289,7 @@ class Executor:
         for p in whole:
             for m in p.members:
                 chunks.append(self._member_chunk(m))
-                want.append(_Owner(m.request_id, m.slot, m.sampler) if m.sample else None)
+                want.append(_Owner(m.request_id, m.slot, m.sampler, propose=m.follow) if m.sample else None)
         spans = [DraftSpan(d.slot, d.position + 1, len(d.draft)) for d in decodes if d.draft]
         if spans and not self.sample:
             raise StepError("drafts need the sampling rank's verification; this engine does not sample")
@@ -315,13 +316,15 @@ class Executor:
 
     def _captures(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice]) -> bool:
         """Whether this step's merged forward splits for a checkpoint drafter's captures: when a prompt
-        chunk runs (the drafter's context) or a decoder follows, drafts or proposes (``DecodeRow.follow``).
+        chunk the drafter follows runs (its context; ``PassMember.follow``: not where drafting could not pay
+        at the batch's width) or a decoder follows, drafts or proposes (``DecodeRow.follow``).
         Otherwise the forward is a plain one: a step where the policy turned drafting off for everyone
         costs what it costs without a drafter (the rows it skips are positions the drafter's rings then
         lack; ``ModelDrafts`` drafts again only once they are whole)."""
         if self.drafts is None:
             return False
-        return bool(whole) or any(d.follow or d.propose or d.draft for d in decodes)
+        return (any(m.follow for p in whole for m in p.members)
+                or any(d.follow or d.propose or d.draft for d in decodes))
 
     def _view(self, chunks):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,
@@ -342,7 +345,8 @@ class Executor:
                     raise StepError(f"pass {p.pass_id}: {len(m.ids)} rows exceed the staging size "
                                     f"{self.cache.staging_rows}")
             view = self._view([self._member_chunk(m) for m in p.members])
-            st = _PassState(members=p.members, view=view, rope=None, cursor=0)
+            st = _PassState(members=p.members, view=view, rope=None, cursor=0,
+                            follow=self.drafts is not None and any(m.follow for m in p.members))
             streams = None
         else:
             if st is None or st.cursor != p.layer_start:
@@ -358,7 +362,7 @@ class Executor:
             self._store_staging(st.members, streams)
             return PassProgress(p.pass_id, st.cursor, False)
         self._passes.pop(p.pass_id, None)
-        if self.drafts is not None:
+        if st.follow:
             fed.add([(self._member_chunk(m), m.request_id) for m in st.members], self.capture.rows(st.captured))
         ends = (torch.cumsum(torch.tensor([len(m.ids) for m in p.members]), 0) - 1).tolist()
         for e, m in zip(ends, p.members):
@@ -366,7 +370,7 @@ class Executor:
         pick = [e for e, m in zip(ends, p.members) if m.sample]
         if pick:
             rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
-            owners.extend(_Owner(m.request_id, m.slot, m.sampler) for m in p.members if m.sample)
+            owners.extend(_Owner(m.request_id, m.slot, m.sampler, propose=m.follow) for m in p.members if m.sample)
         return PassProgress(p.pass_id, st.cursor, True)
 
     def _layers(self, st: _PassState, streams: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
@@ -374,7 +378,7 @@ class Executor:
         ``capture`` plan, the captured layers in the range land in ``st.captured``."""
         if (self.host is None or not self.host.takes(st.view)) and st.rope is None:
             st.rope = self.model.rope_tables(st.view)
-        if self.capture is not None:
+        if st.follow:
             return self._captured(st.view, st.rope, streams, start, stop, st.captured)
         return self._segment(st.view, st.rope, streams, start, stop)
 

@@ -70,6 +70,9 @@ class PassMember:
     # head runs over the first ``len(targets)`` rows of the chunk, not only its last
     prompt_logprobs: int | None = None
     targets: tuple[int, ...] = ()
+    # a checkpoint drafter reads these rows (its context) and drafts after the last one (``DecodeRow.follow``):
+    # off where drafting could not pay at the step's width, so a full batch's prompts cost no drafter work
+    follow: bool = True
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,7 @@ class Scheduler(MemoryPressure):
                            if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=prompt_scores.samples(req, n),
                           sampler=req.sampler, spans=req.spans, image_rows=images, captures=self.reuse.captures(req, lo, hi),
-                          **prompt_scores.scoring(req, lo, hi))
+                          follow=self._drafter_turn(req, len(self.running))[1], **prompt_scores.scoring(req, lo, hi))
 
     def _image_chunk(self, req: Request, budget: int) -> tuple[int, bool]:
         """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
