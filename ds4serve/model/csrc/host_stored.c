@@ -11,7 +11,7 @@
    FP8 projections are stored [K, N] (transposed once at load, host_forward.py), like the fp32 [K, N]
    weights, and add in the same order: every path continues one multiply-add chain per output in k order
    from zero, so the path taken never changes a bit (a zero activation's sign cannot reach a sum that
-   starts at +0, so broadcasts skip vsplat's 0 + a). Up to F8_ROWS_THRESHOLD (40) rows stream the weight
+   starts at +0, so its broadcast, vsplat, need not normalise it). Up to F8_ROWS_THRESHOLD (40) rows stream the weight
    rows in panels of outputs, in groups of up to 8 rows made as even as may be (17 = 6 + 6 + 5): one or
    two rows take eight weight rows a pass (f8_rows, several output vectors interleaved for the sums'
    latency), 3-8 rows sixteen, with the accumulators of 8 x 2 vectors in registers (f8_many); both
@@ -94,20 +94,6 @@ static inline vf fp8_raw(const uint8_t *p) {
 #endif
 #define FP8_BIAS 0x1p120f
 static inline vf fp8_vec(const uint8_t *p, vf mul) { return fp8_raw(p) * mul; }
-
-/* a broadcast without vsplat's 0 + a: the accumulators of the FP8 products start at +0 and a sum that is
-   zero is +0, so the sign of a zero activation never reaches a result (the bits equal vsplat's) */
-static inline vf f8_bcast(float a) {
-#if VW == 16
-    return (vf)_mm512_set1_ps(a);
-#elif defined(__AVX__)
-    return (vf)_mm256_set1_ps(a);
-#else
-    vf v;
-    for (int i = 0; i < VW; i++) v[i] = a;
-    return v;
-#endif
-}
 
 /* VW bf16 values (2 bytes each) widened to fp32 */
 static inline vf bf16_vec(const uint8_t *p) {
@@ -212,11 +198,11 @@ static int f8_foldable(const Weight *w, int64_t n0, int64_t nv, const float *x, 
             for (je = j + 1; je < nv && (!fold || muls[je] == cur); je++) {}                              \
             vf a[MR][8]; /* in registers: the stores to y cannot change them */                          \
             for (int i = 0; i < MR; i++)                                                                  \
-                for (int q = 0; q < 8; q++) a[i][q] = f8_bcast(fold ? x[i * ldx + q] * cur : x[i * ldx + q]); \
+                for (int q = 0; q < 8; q++) a[i][q] = vsplat(fold ? x[i * ldx + q] * cur : x[i * ldx + q]);   \
             for (; j + F8_JU(MR) <= je; j += F8_JU(MR)) { /* F8_JU chains interleaved: latency */               \
                 vf acc[MR][F8_JU(MR)], m[F8_JU(MR)];                                                              \
                 for (int u = 0; u < F8_JU(MR); u++) {                                                         \
-                    m[u] = f8_bcast(muls[j + u]);                                                         \
+                    m[u] = vsplat(muls[j + u]);                                                           \
                     for (int i = 0; i < MR; i++) acc[i][u] = vload(y + i * ldy + (j + u) * VW);           \
                 }                                                                                         \
                 if (pf && ((j * VW) & 63) == 0) /* the next pass's rows, a line at a time */            \
@@ -236,7 +222,7 @@ static int f8_foldable(const Weight *w, int64_t n0, int64_t nv, const float *x, 
                 if (fold) {                                                                               \
                     for (int q = 0; q < 8; q++) b[q] = fp8_raw(wj + q * ld);                              \
                 } else {                                                                                  \
-                    vf m = f8_bcast(muls[j]);                                                             \
+                    vf m = vsplat(muls[j]);                                                               \
                     for (int q = 0; q < 8; q++) b[q] = fp8_vec(wj + q * ld, m);                           \
                 }                                                                                         \
                 for (int i = 0; i < MR; i++) {                                                            \
@@ -264,16 +250,16 @@ F8_EIGHT_PASS(2)
             }                                                                                            \
             const uint8_t *w0 = w->q + k * w->ld + n0, *w1 = w0 + w->ld, *w2 = w1 + w->ld, *w3 = w2 + w->ld; \
             for (int64_t j = 0; j < nv; j++) {                                                           \
-                vf m = f8_bcast(muls[j]);                                                                \
+                vf m = vsplat(muls[j]);                                                                  \
                 vf b0 = fp8_vec(w0 + j * VW, m), b1 = fp8_vec(w1 + j * VW, m), b2 = fp8_vec(w2 + j * VW, m), \
                    b3 = fp8_vec(w3 + j * VW, m);                                                         \
                 for (int i = 0; i < MR; i++) {                                                           \
                     const float *xi = x + i * ldx + k;                                                   \
                     vf acc = vload(y + i * ldy + j * VW);                                                \
-                    acc = vfma(f8_bcast(xi[0]), b0, acc);                                                \
-                    acc = vfma(f8_bcast(xi[1]), b1, acc);                                                \
-                    acc = vfma(f8_bcast(xi[2]), b2, acc);                                                \
-                    acc = vfma(f8_bcast(xi[3]), b3, acc);                                                \
+                    acc = vfma(vsplat(xi[0]), b0, acc);                                                  \
+                    acc = vfma(vsplat(xi[1]), b1, acc);                                                  \
+                    acc = vfma(vsplat(xi[2]), b2, acc);                                                  \
+                    acc = vfma(vsplat(xi[3]), b3, acc);                                                  \
                     vstore(y + i * ldy + j * VW, acc);                                                   \
                 }                                                                                        \
             }                                                                                            \
@@ -282,10 +268,10 @@ F8_EIGHT_PASS(2)
             fp8_row_muls(w, k, n0, nv, muls);                                                            \
             const uint8_t *wr = w->q + k * w->ld + n0;                                                   \
             for (int i = 0; i < MR; i++) {                                                               \
-                vf a = f8_bcast(x[i * ldx + k]);                                                           \
+                vf a = vsplat(x[i * ldx + k]);                                                             \
                 for (int64_t j = 0; j < nv; j++)                                                         \
                     vstore(y + i * ldy + j * VW,                                                         \
-                           vfma(a, fp8_vec(wr + j * VW, f8_bcast(muls[j])), vload(y + i * ldy + j * VW)));  \
+                           vfma(a, fp8_vec(wr + j * VW, vsplat(muls[j])), vload(y + i * ldy + j * VW)));    \
             }                                                                                            \
         }                                                                                                \
     }
@@ -345,14 +331,14 @@ F8_ROWS(2)
         int fold, float *y, int64_t ldy) {                                                                  \
         vf acc[MR][NV], m[NV];                                                                              \
         for (int u = 0; u < NV; u++) {                                                                      \
-            m[u] = f8_bcast(muls[u]);                                                                       \
+            m[u] = vsplat(muls[u]);                                                                         \
             for (int i = 0; i < MR; i++) acc[i][u] = vload(y + i * ldy + u * VW);                           \
         }                                                                                                   \
         for (int q = 0; q < F8_MG; q++) {                                                                   \
             vf b[NV];                                                                                       \
             for (int u = 0; u < NV; u++) b[u] = fold ? fp8_raw(p + q * ld + u * VW) : fp8_vec(p + q * ld + u * VW, m[u]); \
             for (int i = 0; i < MR; i++) {                                                                  \
-                vf a = f8_bcast(fold ? xs[i * F8_MG + q] : xk[i * ldx + q]);                                \
+                vf a = vsplat(fold ? xs[i * F8_MG + q] : xk[i * ldx + q]);                                  \
                 for (int u = 0; u < NV; u++) acc[i][u] = vfma(a, b[u], acc[i][u]);                          \
             }                                                                                               \
         }                                                                                                   \
