@@ -117,8 +117,9 @@ def test_a_capture_inside_a_chunk_is_the_cold_state_cut_there(llm_factory, forwa
     then [128, 253). The native forward (every CPU's default) computes each row alone, so the outputs are
     bit-identical. The torch forward (CUDA's) computes positions 125-127 inside other chunks, whose
     attention runs over query tiles padded to other key counts, whose BLAS reductions may then add in
-    another order (the likely cause, not isolated): on an AVX2 EPYC (Zen 3, MKL) the logprobs differed in the 7th digit while an
-    AVX-512 machine gave equal bits. There it is held to the same tokens and fp32 rounding."""
+    another order (the likely cause, not isolated): on an AVX2 EPYC (Zen 3, MKL) the logprobs differed in
+    the 7th digit while an AVX-512 machine gave equal bits. There it is held to the same tokens and fp32
+    rounding."""
     core = llm_factory("A", max_seqs=2, host_kernels=forward, max_prefill_tokens=125, prefix_interval=128,
                        warmup=False).core
     core.reset_prefix_cache()

@@ -16,9 +16,9 @@ holds ``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential av
 acceptance (starting at 1, as a new request has no history). A checkpoint drafter's block says more: its
 survival estimate at each row (the confidence product), scaled by what such estimates were worth for the
 request so far, is the row's probability of acceptance, and the step verifies the rows that raise its
-expected tokens per second, best first across requests (``_by_survival``). A request whose rate does not pay drafts a single
-token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that fell during one
-stretch of text can recover in the next.
+expected tokens per second, best first across requests (``_by_survival``). A request whose rate does not
+pay drafts a single token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate
+that fell during one stretch of text can recover in the next.
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
 (``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
