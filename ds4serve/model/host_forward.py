@@ -32,7 +32,8 @@ from ..config import AttnKind, ModelConfig
 from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from . import host_pairs, host_q8
-from .host_support import packed_unsupported as _packed_unsupported, stored_unsupported as _stored_unsupported
+from .host_support import kn_store, kn_stored, packed_unsupported as _packed_unsupported, \
+    stored_unsupported as _stored_unsupported
 from .batch import BatchView, LayerState
 from .host_abi import (MAX_CAPTURES, _Arena, _Capture, _CompView, _Dims, _Layer, _Model, _StepView, _VisView,
                        _Weight, abi)
@@ -336,7 +337,7 @@ class HostForward:
 
     def _stored(self, w: StoredWeight, kn: bool, group: int) -> _Weight:
         """A weight kept at the checkpoint's width: bf16 read ``[out, in]`` as loaded; FP8 codes stored
-        ``[in, out]`` in place (once; the torch path reads the transposed view) with the block scales
+        ``[in, out]`` (once, rows padded: ``kn_stride``; the torch path reads the transposed view) with the block scales
         (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group`` of
         outputs not whole scale blocks), dequantised."""
         n_out, n_in = w.shape
@@ -345,16 +346,16 @@ class HostForward:
             return _Weight(None, n_in, 0, 2, w.data.data_ptr(), None, 0, 0, 0, 0)
         if n_out % self.vw or (group and group % w.block[0]):  # o_a's groups must start on a block
             return self._weight(nn.Parameter(w.dense(), requires_grad=False), kn)  # a copy the C alone reads
-        if w.data.stride() != (1, n_out):
-            w.data = w.data.t().contiguous().t()
+        if not kn_stored(w.data):
+            w.data = kn_store(w.data)
         scales = w.scales.contiguous()
         self._keep += [w.data, scales]
-        return _Weight(None, n_out, 1, 1, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
+        return _Weight(None, w.data.stride(1), 1, 1, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
                        scales.shape[1], scales.shape[0])
 
     def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:
-        """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` in place
-        when ``out`` is whole vectors; a small ``out`` (mHC mixes, router, indexer head weights: 4-24
+        """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` (rows padded
+        off 4 KiB multiples: ``host_support.kn_stride``) when ``out`` is whole vectors; a small ``out`` (mHC mixes, router, indexer head weights: 4-24
         columns) as a separate ``[in, out]`` copy padded with zero columns to whole vectors (a few KB);
         else as it is (dot products along ``in``). Stored weights: ``_stored``."""
         if isinstance(param, StoredWeight):
@@ -362,10 +363,10 @@ class HostForward:
         n_out, n_in = param.shape
         data = param.data
         if kn and n_out % self.vw == 0:
-            if data.stride() != (1, n_out):  # not yet stored transposed: do it once
-                param.data = data.t().contiguous().t()
+            if not kn_stored(data):  # not yet stored transposed (rows padded: kn_stride): do it once
+                param.data = kn_store(data)
             self._keep.append(param.data)
-            return _Weight(param.data.data_ptr(), n_out, 1)
+            return _Weight(param.data.data_ptr(), param.data.stride(1), 1)
         if kn and n_out < SMALL_OUT:
             width = -(-n_out // self.vw) * self.vw
             copy = torch.zeros(n_in, width)

@@ -49,7 +49,7 @@ def _load() -> ctypes.CDLL:
     lib.ds4_mxfp4_f32.restype = None
     lib.ds4_mxfp4_q8_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
     lib.ds4_mxfp4_q8_f32.restype = None
-    lib.ds4_fp8_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+    lib.ds4_fp8_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                                 ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     lib.ds4_fp8_f32.restype = None
     return lib
@@ -142,8 +142,8 @@ def _split_rows(rows: int, parts: int, align: int) -> list[tuple[int, int]]:
 
 
 def fp8_native(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor | None:
-    """``dequant_fp8`` of uint8 e4m3 ``codes [out, in]`` (contiguous, or the transposed view of a contiguous
-    ``[in, out]``: the native forward stores FP8 weights that way) with fp32 ``scales`` per ``block``, by
+    """``dequant_fp8`` of uint8 e4m3 ``codes [out, in]`` (contiguous, or the transposed view of an ``[in, out]``
+    with rows padded (``host_support.kn_store``): the native forward stores FP8 weights that way) with fp32 ``scales`` per ``block``, by
     the C kernel on torch's threads (ctypes releases the GIL), as a tensor of the same layout; ``None``
     where it does not apply. ~20x the torch form, which at real widths made the start-up self-check 10 s."""
     if not enabled or codes.device.type != "cpu" or codes.dtype != torch.uint8 or codes.dim() != 2 \
@@ -151,7 +151,7 @@ def fp8_native(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
         return None
     transposed = not codes.is_contiguous()
     phys = codes.t() if transposed else codes
-    if not phys.is_contiguous():
+    if phys.stride(1) != 1 or phys.stride(0) < phys.shape[1]:
         return None
     lib = library()
     if lib is None:
@@ -165,7 +165,8 @@ def fp8_native(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
     def run(span: tuple[int, int]) -> None:
         a, b = span
         sub = (s[:, a // br: -(-b // br)] if transposed else s[a // br: -(-b // br)]).contiguous()  # held
-        lib.ds4_fp8_f32(phys[a].data_ptr(), b - a, cols, sub.data_ptr(), br, bc, int(transposed), out[a].data_ptr())
+        lib.ds4_fp8_f32(phys[a].data_ptr(), b - a, cols, phys.stride(0), sub.data_ptr(), br, bc, int(transposed),
+                        out[a].data_ptr())
 
     if len(parts) == 1:
         run(parts[0])

@@ -101,8 +101,8 @@ void ds4_mxfp4_q8_f32(const unsigned char *codes, const unsigned char *scales, f
    ceil(cols / bc)] contiguous, or, with transposed, [ceil(cols / bc), ceil(rows / br)] (codes stored
    [in, out] for a weight whose scales are [out, in] blocks). Each output is the code's exact value
    times the scale, one fp32 product, as ``code.float() * scale`` rounds it. NaN codes are refused at load. */
-void ds4_fp8_f32(const unsigned char *codes, long rows, long cols, const float *scales, long br, long bc,
-                 int transposed, float *out) {
+void ds4_fp8_f32(const unsigned char *codes, long rows, long cols, long ld, const float *scales, long br, long bc,
+                 int transposed, float *out) {  /* ld: the codes' row stride (>= cols); out is dense */
     float lut[256];
     for (int b = 0; b < 256; b++) {  /* sign, 4 exponent bits biased by 7, 3 mantissa bits */
         int e = (b >> 3) & 15, m = b & 7;
@@ -111,7 +111,7 @@ void ds4_fp8_f32(const unsigned char *codes, long rows, long cols, const float *
     }
     long srows = (rows + br - 1) / br, scols = (cols + bc - 1) / bc;
     for (long r = 0; r < rows; r++) {
-        const unsigned char *c = codes + r * cols;
+        const unsigned char *c = codes + r * ld;
         float *o = out + r * cols;
         for (long b = 0; b < scols; b++) {
             float s = transposed ? scales[b * srows + r / br] : scales[(r / br) * scols + b];
