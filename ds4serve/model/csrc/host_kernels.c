@@ -244,12 +244,14 @@ static void p16_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, ui
    accumulators in AVX-512's 32 registers, 4 x 2 in AVX2's 16; one row alone takes B16_NR1 outputs (more
    rows streaming at once: 3 were 0.90x the 4 before at one row; with the prefetches to L2, 8 ran 1.02x /
    1.10x the 4 on 1 / 2 threads and 16 0.97-0.99x, scripts/bench_stored.py --head, Zen 5) */
+#ifndef B16_MR
 #if VW == 16
 #define B16_MR 8
 #define B16_NR 3
 #else
 #define B16_MR 4
 #define B16_NR 2
+#endif
 #endif
 #ifndef B16_NR1
 #if VW == 16

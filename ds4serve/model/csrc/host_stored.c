@@ -314,12 +314,24 @@ F8_ROWS(2)
 
 /* ---- FP8 [K, N]: 3 to 8 rows, sixteen weight rows a pass, the accumulators in registers ----------- */
 
+#ifndef F8_MG
 #define F8_MG 16  /* weight rows a pass of f8_many: the outputs are loaded and stored once per 16 */
+#endif
 #ifndef F8_MNV
 #if VW == 16
 #define F8_MNV 2  /* output vectors a step holds: 8 rows x 2 accumulators fit AVX-512's 32 registers */
 #else
-#define F8_MNV 1  /* and 8 x 1 AVX2's 16 */
+#define F8_MNV 2  /* AVX2: 6 rows x 2 (12 accumulators, 2 weights, a broadcast: its 16 registers) */
+#endif
+#endif
+/* rows a register group holds: more rows go over the same F8_MG x F8_MNV weights in groups as even as may
+   be (8 = 4 + 4), each decoding them again from L1. Why not 8 x 1 on AVX2: every multiply-add then
+   takes its own broadcast load, one load a FMA plus the weight's (load-bound, ~35% of the FMA peak) */
+#ifndef F8_GROUP
+#if VW == 16
+#define F8_GROUP 8
+#else
+#define F8_GROUP 6
 #endif
 #endif
 
@@ -349,9 +361,51 @@ F8_ROWS(2)
 /* MR rows over a panel of nv vectors from column n0 (fewer rows: f8_rows): FMA-bound, so the multiply
    of the decode is folded away where it may be (f8_foldable; it also skips the multiply's slow subnormal
    inputs: vmulps on them cost this CPU ~2x at 8 rows) */
+#define F8_MSTEP_X(MR, NV) F8_MSTEP(MR, NV) /* NV expanded first: the names carry F8_MNV's value */
+#if F8_MNV != 1
+#define F8_MSTEPS(MR) F8_MSTEP_X(MR, F8_MNV) F8_MSTEP(MR, 1)
+#else
+#define F8_MSTEPS(MR) F8_MSTEP(MR, 1)
+#endif
+F8_MSTEPS(1)
+F8_MSTEPS(2)
+F8_MSTEPS(3)
+F8_MSTEPS(4)
+F8_MSTEPS(5)
+F8_MSTEPS(6)
+F8_MSTEPS(7)
+F8_MSTEPS(8)
+
+/* rows [0, mr) of an F8_MG-row pass in register groups of at most F8_GROUP rows (each group's sums are
+   its own: the split changes no order); nv: F8_MNV or 1. mr and nv are constants where it inlines. */
+#define F8_MGROUP_CASE(G, NV)                                                                                \
+    case G:                                                                                                  \
+        f8_mstep_##G##_##NV(xk + i0 * ldx, ldx, xs + i0 * F8_MG, p, ld, muls, fold, y + i0 * ldy, ldy);      \
+        break;
+#define F8_MGROUPS(NV)                                                                                        \
+    static inline __attribute__((always_inline)) void f8_mgroups_##NV(                                        \
+        int mr, const float *xk, int64_t ldx, const float *xs, const uint8_t *p, int64_t ld, const float *muls,   \
+        int fold, float *y, int64_t ldy) {                                                                    \
+        int groups = (mr + F8_GROUP - 1) / F8_GROUP;                                                         \
+        for (int i0 = 0, g; i0 < mr; i0 += g, groups--) {                                                   \
+            g = (mr - i0 + groups - 1) / groups;                                                              \
+            switch (g) {                                                                                      \
+                F8_MGROUP_CASE(1, NV) F8_MGROUP_CASE(2, NV) F8_MGROUP_CASE(3, NV) F8_MGROUP_CASE(4, NV)       \
+                F8_MGROUP_CASE(5, NV) F8_MGROUP_CASE(6, NV) F8_MGROUP_CASE(7, NV) default:                    \
+                    f8_mstep_8_##NV(xk + i0 * ldx, ldx, xs + i0 * F8_MG, p, ld, muls, fold, y + i0 * ldy, ldy);   \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+F8_MGROUPS(1)
+#if F8_MNV != 1
+/* the macro's value in the name: one level of expansion first */
+#define F8_MGROUPS_NV(NV) F8_MGROUPS(NV)
+F8_MGROUPS_NV(F8_MNV)
+#endif
+#define F8_MGROUPS_CALL2(NV, ...) f8_mgroups_##NV(__VA_ARGS__)
+#define F8_MGROUPS_CALL(NV, ...) F8_MGROUPS_CALL2(NV, __VA_ARGS__)
+
 #define F8_MANY(MR)                                                                                        \
-    F8_MSTEP(MR, F8_MNV)                                                                                    \
-    F8_MSTEP(MR, 1)                                                                                         \
     static void f8_many_##MR(const float *x, int64_t ldx, int64_t k0, int64_t K, int64_t Kall, const Weight *w, \
                              int64_t n0, float *y, int64_t ldy, int64_t nv) {                               \
         float muls[F8_PANEL_MAX / VW], xs[MR * F8_MG], cur;                                                 \
@@ -381,11 +435,11 @@ F8_ROWS(2)
                         for (int q = 0; q < F8_MG; q++) xs[i * F8_MG + q] = x[i * ldx + k + q] * cur;       \
                 }                                                                                           \
                 if (f)                                                                                      \
-                    f8_mstep_##MR##_##F8_MNV(x + k, ldx, xs, wk + j * VW, ld, muls + j, 1, y + j * VW, ldy); \
+                    F8_MGROUPS_CALL(F8_MNV, MR, x + k, ldx, xs, wk + j * VW, ld, muls + j, 1, y + j * VW, ldy); \
                 else                                                                                        \
-                    f8_mstep_##MR##_##F8_MNV(x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
+                    F8_MGROUPS_CALL(F8_MNV, MR, x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
             }                                                                                               \
-            for (; j < nv; j++) f8_mstep_##MR##_1(x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
+            for (; j < nv; j++) f8_mgroups_1(MR, x + k, ldx, xs, wk + j * VW, ld, muls + j, 0, y + j * VW, ldy); \
         }                                                                                                   \
         if (k < K) f8_rows_tail_##MR(x, ldx, k, K, w, n0, y, ldy, nv);                                      \
     }
