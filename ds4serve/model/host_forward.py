@@ -337,9 +337,9 @@ class HostForward:
 
     def _stored(self, w: StoredWeight, kn: bool, group: int) -> _Weight:
         """A weight kept at the checkpoint's width: bf16 read ``[out, in]`` as loaded; FP8 codes stored
-        ``[in, out]`` (once, rows padded: ``kn_stride``; the torch path reads the transposed view) with the block scales
-        (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group`` of
-        outputs not whole scale blocks), dequantised."""
+        ``[in, out]`` (once, rows padded: ``kn_stride``; the torch path reads the transposed view) with
+        the block scales (``csrc/host_stored.c``), or, with ``out`` not whole vectors (or o_a's ``group``
+        of outputs not whole scale blocks), dequantised."""
         n_out, n_in = w.shape
         if w.fmt == "bf16":
             self._keep.append(w.data)
@@ -355,9 +355,10 @@ class HostForward:
 
     def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:
         """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` (rows padded
-        off 4 KiB multiples: ``host_support.kn_stride``) when ``out`` is whole vectors; a small ``out`` (mHC mixes, router, indexer head weights: 4-24
-        columns) as a separate ``[in, out]`` copy padded with zero columns to whole vectors (a few KB);
-        else as it is (dot products along ``in``). Stored weights: ``_stored``."""
+        off 4 KiB multiples: ``host_support.kn_stride``) when ``out`` is whole vectors; a small ``out``
+        (mHC mixes, router, indexer head weights: 4-24 columns) as a separate ``[in, out]`` copy padded
+        with zero columns to whole vectors (a few KB); else as it is (dot products along ``in``). Stored
+        weights: ``_stored``."""
         if isinstance(param, StoredWeight):
             return self._stored(param, kn, group)
         n_out, n_in = param.shape

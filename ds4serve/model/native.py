@@ -49,8 +49,8 @@ def _load() -> ctypes.CDLL:
     lib.ds4_mxfp4_f32.restype = None
     lib.ds4_mxfp4_q8_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
     lib.ds4_mxfp4_q8_f32.restype = None
-    lib.ds4_fp8_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                                ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    lib.ds4_fp8_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
     lib.ds4_fp8_f32.restype = None
     return lib
 
@@ -142,8 +142,9 @@ def _split_rows(rows: int, parts: int, align: int) -> list[tuple[int, int]]:
 
 
 def fp8_native(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor | None:
-    """``dequant_fp8`` of uint8 e4m3 ``codes [out, in]`` (contiguous, or the transposed view of an ``[in, out]``
-    with rows padded (``host_support.kn_store``): the native forward stores FP8 weights that way) with fp32 ``scales`` per ``block``, by
+    """``dequant_fp8`` of uint8 e4m3 ``codes [out, in]`` (contiguous, or the transposed view of an
+    ``[in, out]`` with rows padded (``host_support.kn_store``): the native forward stores FP8 weights that
+    way) with fp32 ``scales`` per ``block``, by
     the C kernel on torch's threads (ctypes releases the GIL), as a tensor of the same layout; ``None``
     where it does not apply. ~20x the torch form, which at real widths made the start-up self-check 10 s."""
     if not enabled or codes.device.type != "cpu" or codes.dtype != torch.uint8 or codes.dim() != 2 \
