@@ -145,3 +145,52 @@ def test_drafting_steps_that_cost_more_than_their_rows_are_charged_what_they_cos
     excess = [(0.9e-3 + 0.13e-3 * d, d) for d in range(1, 9)]  # the drafting steps' excess, through the origin
     assert c == pytest.approx(sum(e * d for e, d in excess) / sum(d * d for _, d in excess), rel=0.1)
     assert worth(4, (a, b, c), 0.18e-3) > 0.62 > worth(1, (a, b, c), 0.18e-3)
+
+
+def test_stalled_steps_do_not_charge_the_draft_rows():
+    """Another job on the cores stalls a step now and then, and drafting steps, the longer ones, more
+    often. Least squares weighs a stall by its square: a few stalls among one stream's drafting steps
+    charged a draft row twice its cost and drafting went off where it paid. The fit leaves out the steps
+    that took over ``SPIKE`` times their fitted cost and recovers the steady costs."""
+    from ds4serve.scheduler.step_costs import SPIKE
+
+    a, c = 0.66e-3, 0.12e-3
+    model = StepCosts((0.8e-3, 0.1e-3, 0.06e-3))
+    rnd = random.Random(3)
+    for i in range(WINDOW):
+        d = 0 if i % 4 == 0 else rnd.randint(2, 4)
+        t = a + c * d
+        if d and i % 13 == 1:  # a stalled drafting step
+            t *= 3 * SPIKE
+        model.observe(1, d, t)
+    assert model.costs()[2] == pytest.approx(c, rel=0.1)
+    assert model.costs()[0] + model.costs()[1] == pytest.approx(a, rel=0.1)
+    steady = StepCosts()
+    shapes = [(rnd.randint(1, 4), rnd.choice((0, 0, 1, 2, 3, 4))) for _ in range(2 * WINDOW)]
+    for i, (n, d) in enumerate(shapes):  # a machine that got 4x slower for good is not a spike for long
+        steady.observe(n, d, (1 if i < WINDOW // 2 else 4) * (a + 0.1e-3 * n + c * d))
+    assert steady.costs() == pytest.approx((4 * a, 4 * 0.1e-3, 4 * c), rel=1e-6)
+
+
+def test_a_stalled_drafter_forward_counts_as_a_slow_one_no_more():
+    from ds4serve.scheduler.step_costs import BLOCK_DECAY, SPIKE
+
+    running = StepCosts()
+    running.observe_blocks(1e-3, 2)
+    running.observe_blocks(1.0, 2)  # stalled for a second
+    assert running.block_cost == pytest.approx(BLOCK_DECAY * 5e-4 + (1 - BLOCK_DECAY) * SPIKE * 5e-4)
+
+
+def test_a_probe_verifies_a_drafter_block_by_its_survival():
+    """A request whose acceptance rate fell below the bar drafts a block only before a probe step; the
+    block's forward is spent by then, so the probe verifies the rows its survival estimates pay for,
+    as any block, not a single token (which also charged that whole forward to one verified row)."""
+    costs = (0.66e-3, 0.0, 0.12e-3)
+    policy = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source="model")
+    limits = SchedulerLimits(num_layers=2, max_model_len=512, step_tokens=256, max_prefill_tokens=64,
+                             min_prefill_tokens=16, prefill_mode="chunk", max_queue=8, step_costs=costs)
+    req = _decoders(1, 0.1)[0]
+    assert not policy.pays(req, 1, costs, 0.1e-3, 512)
+    req.proposal, req.proposal_at, req.proposal_survival = (11, 12, 13, 14), req.computed, (0.9, 0.8, 0.7, 0.05)
+    assert policy.plan([req], limits, costs, 0.1e-3, step=1) == {}  # not a probe step
+    assert policy.plan([req], limits, costs, 0.1e-3, step=PROBE_EVERY) == {"r0": (11, 12, 13)}

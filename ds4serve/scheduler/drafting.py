@@ -18,7 +18,8 @@ survival estimate at each row (the confidence product), scaled by what such esti
 request so far, is the row's probability of acceptance, and the step verifies the rows that raise its
 expected tokens per second, best first across requests (``_by_survival``). A request whose rate does not
 pay drafts a single token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate
-that fell during one stretch of text can recover in the next.
+that fell during one stretch of text can recover in the next (a checkpoint drafter's probe block, its
+forward spent either way, is verified by its survival estimates like any other block).
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
 (``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
@@ -40,7 +41,7 @@ from ..engine.ngram import SuffixIndex
 from .admission import SchedulerLimits
 from .request import Request
 
-RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (one verify step = one sample)
+RATE_DECAY = 0.85  # weight of the past in a request's acceptance rate (one verify step = one sample)
 PROBE_EVERY = 16  # a request whose rate does not pay drafts one token this often, so the rate can recover
 SURVIVAL_DECAY = 0.8  # weight of the past in a request's record of its drafter's survival estimates
 
@@ -87,7 +88,7 @@ class DraftPolicy:
             n = min(1 if probe else self._length(req, limits.max_model_len), budget)
             if n <= 0 or not draftable(req.sampler):
                 continue
-            if self.source == "model" and not probe and req.proposal_survival:
+            if self.source == "model" and req.proposal_survival:  # a probe's block too: its forward is spent
                 surviving.append(req)
                 continue
             draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)

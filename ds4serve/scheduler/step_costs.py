@@ -27,6 +27,7 @@ PRIOR_WEIGHT = 4.0  # each corner pseudo-step of the calibrated costs counts as 
 APART_MIN_PLAIN = 24  # plain steps the window must hold before a and b come from them alone (``_fit_apart``)
 DRAFT_DECAY = 0.98  # per step, of the running sums of drafter seconds and of the draft rows verified
 PRIOR_BLOCK_ROWS = 4  # draft rows the prior block of ``draft_cost`` was verified in
+SPIKE = 2.5  # a step that took this many times its fitted cost was stalled (another job, a pause): left out
 
 
 def _moments(n: float, d: float, t: float, w: float) -> tuple[float, ...]:
@@ -61,12 +62,14 @@ class StepCosts:
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
-            self._fitted = self.fit()
+            self._fitted = self._without_spikes(self.fit())
 
     def observe_blocks(self, seconds: float, blocks: int, verified: int = 0) -> None:
         """A step's checkpoint-drafter time for ``blocks`` blocks (left out of the step's own ``seconds``),
         and the ``verified`` draft rows the step carried (blocks drafted earlier)."""
         if blocks > 0 and seconds >= 0:
+            if self.block_cost > 0.0:  # a stalled drafter forward (``SPIKE``) counts as a slow one, no more
+                seconds = min(seconds, SPIKE * self.block_cost * blocks)
             per = seconds / blocks
             self.block_cost = per if self.block_cost == 0.0 else BLOCK_DECAY * self.block_cost + (1 - BLOCK_DECAY) * per
         self._draft_s = DRAFT_DECAY * self._draft_s + max(0.0, seconds)
@@ -82,6 +85,25 @@ class StepCosts:
         drafting (its sums decay) is tried again."""
         return (self._draft_s + self.block_cost) / (self._draft_rows + PRIOR_BLOCK_ROWS)
 
+    def _without_spikes(self, fitted: tuple[float, ...]) -> tuple[float, ...]:
+        """``fitted`` again without the steps that took over ``SPIKE`` times what it says they cost. Least
+        squares weighs a stalled step (the cores shared with another job, a collector pause) by its square:
+        a few of them among the drafting steps, which run longer and so are stalled more often, charged the
+        bundled model's draft row twice its cost, and drafting went off at one stream where it paid 1.2x.
+        A stall says nothing about what a row costs; a cost that really rose (a slower machine) is not
+        a spike for long, as every refit moves the bar with it."""
+        if len(fitted) != 3:
+            return fitted
+        a, b, c = fitted
+        kept = [s for s in self._steps if s[2] <= SPIKE * (a + b * s[0] + c * s[1])]
+        if len(kept) == len(self._steps) or 2 * len(kept) < len(self._steps):
+            return fitted  # none, or so many that they are the machine's pace now, not stalls
+        sums = [0.0] * 9
+        for step in kept:
+            for i, m in enumerate(_moments(*step, 1.0)):
+                sums[i] += m
+        return self.fit(kept, sums)
+
     def _add(self, moments: tuple[float, ...], sign: int) -> None:
         for i, m in enumerate(moments):
             self._sums[i] += sign * m
@@ -89,45 +111,47 @@ class StepCosts:
     def costs(self) -> tuple[float, ...]:
         return self._fitted
 
-    def fit(self) -> tuple[float, ...]:
+    def fit(self, steps: Sequence[tuple[int, int, float]] | None = None,
+            sums: Sequence[float] | None = None) -> tuple[float, ...]:
         """``(a, b)`` from the plain steps and ``c`` from what the drafting steps cost beyond them
         (``_fit_apart``) once plain steps of two widths are remembered; else weighted least squares of
         ``seconds`` on ``(1, n, D)`` over the steps and the prior's corner pseudo-steps. Each cost clamped
         at 0 (a negative one is noise). Without a prior, the steps alone, once both ``n`` and ``D`` have
-        varied (else the system has no unique answer)."""
-        apart = self._fit_apart()
+        varied (else the system has no unique answer). ``steps`` and their ``sums``: the window's by default."""
+        steps = self._steps if steps is None else steps
+        apart = self._fit_apart(steps)
         if apart is not None:
             return apart
-        sums = list(self._sums)
+        sums = list(self._sums if sums is None else sums)
         if len(self.prior) == 3:
             a, b, c = self.prior
-            top_n = max(max((n for n, _, _ in self._steps), default=1), 2)
-            top_d = max((d for _, d, _ in self._steps), default=1) or 1
+            top_n = max(max((n for n, _, _ in steps), default=1), 2)
+            top_d = max((d for _, d, _ in steps), default=1) or 1
             for n in (1, top_n):
                 for d in (0, top_d):
                     for i, m in enumerate(_moments(n, d, a + b * n + c * d, PRIOR_WEIGHT)):
                         sums[i] += m
-        elif len({n for n, _, _ in self._steps}) < 2 or len({d for _, d, _ in self._steps}) < 2:
+        elif len({n for n, _, _ in steps}) < 2 or len({d for _, d, _ in steps}) < 2:
             return self.prior
         s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
         return tuple(max(0.0, v) for v in _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt]))
 
-    def _fit_apart(self) -> tuple[float, float, float] | None:
+    def _fit_apart(self, steps: Sequence[tuple[int, int, float]]) -> tuple[float, float, float] | None:
         """The joint fit charges a draft row too little when drafting steps cost more than their rows (the
         verification's Python, per request) and ``D`` grows with ``n`` (the two are then nearly the same
         column): on the bundled model, 0.12 ms a draft row where the steps said 0.30. So: ``a + b n`` by
         least squares over the plain steps (and the prior's plain corners), then ``c`` by least squares
         through the origin of the drafting steps' excess over it. None until ``APART_MIN_PLAIN`` plain
         steps of two widths or more are remembered."""
-        plain = [(n, t) for n, d, t in self._steps if d == 0]
-        drafted = [(n, d, t) for n, d, t in self._steps if d > 0]
+        plain = [(n, t) for n, d, t in steps if d == 0]
+        drafted = [(n, d, t) for n, d, t in steps if d > 0]
         if len(plain) < APART_MIN_PLAIN or len({n for n, _ in plain}) < 2 or not drafted:
             return None
         rows = [(float(n), t, 1.0) for n, t in plain]
         dd = sum(d * d for _, d, _ in drafted)
         if len(self.prior) == 3:
             pa, pb, pc = self.prior
-            top_n = max(n for n, _, _ in self._steps)
+            top_n = max(n for n, _, _ in steps)
             rows += [(float(n), pa + pb * n, PRIOR_WEIGHT) for n in (1, top_n)]
         w = sum(r[2] for r in rows)
         mn, mt = sum(r[2] * r[0] for r in rows) / w, sum(r[2] * r[1] for r in rows) / w
