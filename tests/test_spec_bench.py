@@ -20,10 +20,12 @@ def test_the_bench_reports_drafts_on_a_random_checkpoint(ckpt_factory, capsys):
     assert [r.streams for r in rows] == [1, 3]
     for r in rows:
         assert r.identical and r.plain_tok_s > 0 and r.spec_tok_s > 0
+        # the decode rate leaves the prefill out, so it is above the end-to-end rate of the same round
+        assert r.plain_e2e_tok_s > 0 and r.spec_e2e_tok_s > 0 and r.e2e_ratio > 0
         assert 0 <= r.accepted <= r.drafted and r.verify_steps <= r.drafted
         assert all(0 <= a <= 1 for a in r.acceptance_by_position)
     assert any(r.drafted for r in rows)
-    assert "| streams | plain tok/s" in capsys.readouterr().out
+    assert "| streams | plain decode tok/s | drafts decode tok/s | ratio | end-to-end ratio |" in capsys.readouterr().out
 
 
 def test_the_bench_command_writes_its_figures(ckpt_factory, tmp_path):
@@ -35,3 +37,21 @@ def test_the_bench_command_writes_its_figures(ckpt_factory, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert figures[0]["streams"] == 2 and figures[0]["identical"] and figures[0]["ratio"] > 0
+    assert figures[0]["e2e_ratio"] > 0 and figures[0]["plain_e2e_tok_s"] > 0
+
+
+def test_generate_timed_reports_each_first_token(ckpt_factory):
+    """``LLM.generate_timed``: the same tokens as ``generate``, and for each prompt the seconds to its
+    first token, inside the call."""
+    import time
+
+    from ds4serve.llm import LLM
+
+    _, path = ckpt_factory("A")
+    llm = LLM(path, max_seqs=2, warmup=False)
+    batch = [[5, 6, 7, 8] * 3, [9, 10, 11] * 2]
+    t = time.perf_counter()
+    outs, firsts = llm.generate_timed(batch, max_tokens=6, ignore_eos=True)
+    elapsed = time.perf_counter() - t
+    assert outs == llm.generate(batch, max_tokens=6, ignore_eos=True)
+    assert len(firsts) == 2 and all(0 < f < elapsed for f in firsts)
