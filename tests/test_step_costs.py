@@ -194,3 +194,17 @@ def test_a_probe_verifies_a_drafter_block_by_its_survival():
     req.proposal, req.proposal_at, req.proposal_survival = (11, 12, 13, 14), req.computed, (0.9, 0.8, 0.7, 0.05)
     assert policy.plan([req], limits, costs, 0.1e-3, step=1) == {}  # not a probe step
     assert policy.plan([req], limits, costs, 0.1e-3, step=PROBE_EVERY) == {"r0": (11, 12, 13)}
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8), st.integers(1, 32), costs_,
+       st.floats(0.0, 1e-3), st.integers(0, 4 * PROBE_EVERY))
+@settings(max_examples=80, deadline=None)
+def test_the_turns_of_a_step_are_each_requests_turn(rates, n, costs, draft_cost, step):
+    """``DraftPolicy.turns`` (the bar worked out once a step) answers what ``turn`` answers per request."""
+    reqs = _decoders(len(rates), 0.0)
+    for r, rate in zip(reqs, rates):
+        r.draft_rate = rate
+    for source in ("model", "ngram"):
+        policy = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source=source)
+        assert policy.turns(reqs, n, costs, draft_cost, step) == [
+            policy.turn(r, n, costs, draft_cost, 512, step) for r in reqs]

@@ -256,6 +256,8 @@ class Executor:
         """The model drafter's turn (``model_drafts``): commit what this step committed, then draft the
         next block of every sequence that got a token and is to propose; each token carries its block's
         tokens. Also returns the seconds the drafting took and how many blocks (the scheduler's cost)."""
+        if not fed.entries:  # nothing captured this step: nothing to commit, no sequence to draft for
+            return tokens, (0.0, 0)
         ok = {t.slot: t for t in tokens if t.status is RowStatus.OK}
         kept = {d.slot: 1 + len(ok[d.slot].accepted) if d.slot in ok else 0 for d in decodes}
         if fed.entries:

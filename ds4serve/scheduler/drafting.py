@@ -73,13 +73,16 @@ class DraftPolicy:
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
         surviving: list[Request] = []  # model blocks whose length the survival estimate decides (below)
+        bar = self._bar(len(decoders), costs, draft_cost)  # the same for every request of the step
+        if budget <= 0:
+            return out
+        if bar >= 1.0:  # no acceptance rate can pay beside this many decoders: not even a probe
+            for req in decoders:
+                req.draft_skipped += 1
+            return out
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
-            bar = self.bar(req, len(decoders), costs, draft_cost, limits.max_model_len)
-            if bar >= 1.0:  # no acceptance rate can pay beside this many decoders: not even a probe
-                req.draft_skipped += 1
-                continue
             probe = not req.draft_rate > bar
             if probe:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
@@ -137,8 +140,27 @@ class DraftPolicy:
     def bar(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> float:
         """The acceptance rate ``req``'s draft must beat beside ``n`` decoders: ``worth``, with a checkpoint
         drafter's seconds per draft row verified (``StepCosts.draft_cost``). 1 or more: no rate
-        can pay, so the request neither drafts nor probes (a probe could only confirm a loss)."""
+        can pay, so the request neither drafts nor probes (a probe could only confirm a loss). The
+        same for every request of a step (``_bar``)."""
+        return self._bar(n, costs, draft_cost)
+
+    def _bar(self, n: int, costs: Sequence[float], draft_cost: float) -> float:
         return worth(n, tuple(costs), draft_cost if self.source == "model" else 0.0)
+
+    def turns(self, reqs: Sequence[Request], n: int, costs: Sequence[float], draft_cost: float,
+              step: int) -> list[tuple[bool, bool]]:
+        """``turn`` of each of ``reqs`` beside ``n`` decoders, the bar worked out once for the step (a
+        decode step asks this of every decoder: per request, the bar's arithmetic was a tenth of a 4-stream
+        step of the bundled model)."""
+        bar = self._bar(n, costs, draft_cost) if self.source == "model" else 1.0
+        if bar >= 1.0:
+            return [(False, False)] * len(reqs)
+        probe_next = (step + 1) % PROBE_EVERY == 0
+        out = []
+        for req in reqs:
+            follow = draftable(req.sampler)
+            out.append((follow and (probe_next or req.draft_rate > bar), follow))
+        return out
 
     def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
         """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders (``bar``)."""

@@ -197,9 +197,12 @@ class Scheduler(MemoryPressure):
                 break
             if not self._preempt():
                 break
+        turns = (self.drafting.turns(decoders, len(decoders), self.step_costs.costs(), self.step_costs.draft_cost,
+                                     self._schedules)
+                 if self.drafting is not None else [(False, False)] * len(decoders))
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
-                          r.sampler, drafts.get(r.request_id, ()), *self._drafter_turn(r, len(decoders)))
-                for r in decoders]
+                          r.sampler, drafts.get(r.request_id, ()), *turn)
+                for r, turn in zip(decoders, turns)]
 
     def _drafter_turn(self, req: Request, n: int) -> tuple[bool, bool]:
         """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders (``DraftPolicy.turn``)."""
