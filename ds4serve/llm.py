@@ -75,14 +75,16 @@ class LLM:
         return [(list(r.output_ids), list(r.output_logprobs)) for r in self._run(prompts, params)]
 
     def generate_timed(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0,
-                       seed: int | None = None, **sampling) -> tuple[list[list[int]], list[float]]:
-        """``generate``, and for each prompt the seconds from the call to its first token: what a bench
-        needs to tell the decode rate (tokens after the first over the time after it) from the prefill's."""
+                       seed: int | None = None, **sampling) -> tuple[list[list[int]], list[tuple[float, float]]]:
+        """``generate``, and for each prompt the seconds from the call to its first and to its last token:
+        what a bench needs to tell a request's decode rate (the tokens after the first over the time
+        after it) from its prefill."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
         firsts: dict[str, float] = {}
+        lasts: dict[str, float] = {}
         t0 = time.perf_counter()
-        reqs = self._run(prompts, params, first_token_at=firsts)
-        return [list(r.output_ids) for r in reqs], [firsts[r.request_id] - t0 for r in reqs]
+        reqs = self._run(prompts, params, token_times=(firsts, lasts))
+        return [list(r.output_ids) for r in reqs], [(firsts[r.request_id] - t0, lasts[r.request_id] - t0) for r in reqs]
 
     def score_prompts(self, prompts: Sequence[Sequence[int]], top: int = 0, max_tokens: int = 0,
                       **sampling) -> list[list]:
@@ -95,10 +97,10 @@ class LLM:
         return [list(outs[r.request_id]) for r in reqs]
 
     def _run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_lps: dict | None = None,
-             first_token_at: dict | None = None) -> list:
+             token_times: tuple[dict, dict] | None = None) -> list:
         """Submit every prompt and step the engine until all finish; a failed request raises. ``prompt_lps``
-        collects each request's prompt logprobs (they ride on its first output); ``first_token_at`` the
-        ``perf_counter`` time each request's first token came out."""
+        collects each request's prompt logprobs (they ride on its first output); ``token_times`` the
+        ``perf_counter`` time each request's first and last tokens came out."""
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -119,8 +121,9 @@ class LLM:
             for out in self.core.step():
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-                if first_token_at is not None and out.new_token_ids and out.request_id not in first_token_at:
-                    first_token_at[out.request_id] = time.perf_counter()
+                if token_times is not None and out.new_token_ids:
+                    token_times[0].setdefault(out.request_id, time.perf_counter())
+                    token_times[1][out.request_id] = time.perf_counter()
                 if out.prompt_logprobs is not None and prompt_lps is not None:
                     prompt_lps[out.request_id] = out.prompt_logprobs
         return reqs

@@ -42,7 +42,7 @@ def test_the_bench_command_writes_its_figures(ckpt_factory, tmp_path):
 
 def test_generate_timed_reports_each_first_token(ckpt_factory):
     """``LLM.generate_timed``: the same tokens as ``generate``, and for each prompt the seconds to its
-    first token, inside the call."""
+    first and to its last token, inside the call."""
     import time
 
     from ds4serve.llm import LLM
@@ -51,7 +51,7 @@ def test_generate_timed_reports_each_first_token(ckpt_factory):
     llm = LLM(path, max_seqs=2, warmup=False)
     batch = [[5, 6, 7, 8] * 3, [9, 10, 11] * 2]
     t = time.perf_counter()
-    outs, firsts = llm.generate_timed(batch, max_tokens=6, ignore_eos=True)
+    outs, times = llm.generate_timed(batch, max_tokens=6, ignore_eos=True)
     elapsed = time.perf_counter() - t
     assert outs == llm.generate(batch, max_tokens=6, ignore_eos=True)
-    assert len(firsts) == 2 and all(0 < f < elapsed for f in firsts)
+    assert len(times) == 2 and all(0 < first < last < elapsed for first, last in times)
