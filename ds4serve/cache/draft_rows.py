@@ -20,14 +20,81 @@ distinct ring rows and each saved row is the last committed content of its row.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import weakref
 from collections.abc import Sequence
+from ctypes import POINTER, c_int, c_int64, c_void_p
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..environment import cache_root, native_build
+from ..native_build import OnceLibrary, build_library, sanitized
 from .state import ModelState
 
 RINGS = ("swa", "comp_ring", "idx_ring")
+log = logging.getLogger(__name__)
+
+
+class _RingRef(ctypes.Structure):
+    _fields_ = [("ring", c_void_p), ("row_bytes", c_int64), ("list", c_int64)]
+
+
+def _load() -> ctypes.CDLL:
+    source = (Path(__file__).with_name("csrc") / "rings.c").read_text()
+    path = build_library(cache_root() / "native", "rings", source,
+                         sanitized(["-O2", "-fPIC", "-shared"], native_build().sanitize), [])
+    lib = ctypes.CDLL(str(path))
+    lib.ds4_ring_rows.argtypes = [c_int64, POINTER(_RingRef), c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_int64]
+    lib.ds4_ring_rows.restype = c_int
+    return lib
+
+
+_library = OnceLibrary(_load, log, "native ring copies unavailable (%s); draft rows are saved with torch ops")
+_plans: "weakref.WeakKeyDictionary[object, _Plan]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Plan:
+    """Every ring of a state, for the native copies: ``rings`` (layer, name, tensor), the ring lengths
+    (one row list each), and the C descriptors. Checked against the state before each use (a ring
+    tensor replaced since makes a new plan)."""
+
+    rings: list[tuple[int, str, torch.Tensor]]
+    lengths: list[int]
+    refs: ctypes.Array
+    row_bytes: int  # of one draft position, over every ring
+
+    def current(self, state) -> bool:
+        return all(getattr(state.layers[li], name) is t for li, name, t in self.rings)
+
+
+def _plan(state) -> _Plan | None:
+    """The native copy plan of ``state``'s rings, or None where the torch form applies (no library,
+    a ring off the host or not contiguous)."""
+    if _library.get() is None:
+        return None
+    try:
+        plan = _plans.get(state)
+    except TypeError:  # a state that cannot be weakly referenced: planned each time
+        plan = None
+    if plan is not None and plan.current(state):
+        return plan
+    rings = [(li, name, getattr(st, name)) for li, st in enumerate(state.layers) for name in RINGS
+             if getattr(st, name) is not None]
+    if any(t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 2 for _, _, t in rings):
+        return None
+    lengths = sorted({t.shape[0] // state.n_slots for _, _, t in rings})
+    refs = (_RingRef * len(rings))(*[_RingRef(t.data_ptr(), t.shape[1] * t.element_size(),
+                                              lengths.index(t.shape[0] // state.n_slots)) for _, _, t in rings])
+    plan = _Plan(rings, lengths, refs, sum(t.shape[1] * t.element_size() for _, _, t in rings))
+    try:
+        _plans[state] = plan
+    except TypeError:
+        pass
+    return plan
 
 
 def max_draft(state: ModelState) -> int:
@@ -53,6 +120,15 @@ class SavedRings:
         self.state, self.spans = state, tuple(spans)
         self._rows: dict[int, torch.Tensor] = {}  # ring length -> the ring rows of every draft position
         self.saved: list[dict[str, torch.Tensor]] = []
+        self._native = _plan(state)
+        if self._native is not None:  # one C call copies every ring's rows into one buffer
+            plan = self._native
+            self._index_all = torch.cat([self._index(per) for per in plan.lengths])
+            self._n = sum(s.n for s in self.spans)
+            self._buf = torch.empty(self._n * plan.row_bytes, dtype=torch.uint8)
+            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all.data_ptr(), self._n,
+                                         self._buf.data_ptr(), None, 0, 0)
+            return
         for st in state.layers:
             layer = {}
             for name in RINGS:
@@ -82,6 +158,11 @@ class SavedRings:
             picks.extend(range(offset + a, offset + s.n))
             offset += s.n
         if not picks:
+            return
+        if self._native is not None:
+            plan, at = self._native, torch.tensor(picks, dtype=torch.int64)
+            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all.data_ptr(), self._n,
+                                         self._buf.data_ptr(), at.data_ptr(), len(picks), 1)
             return
         # one contiguous run (a single draft's rejected tail, the usual case): slices, not gathers
         run = picks[-1] - picks[0] + 1 == len(picks)
