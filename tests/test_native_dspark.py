@@ -186,3 +186,30 @@ def test_the_engine_takes_the_c_drafter_beside_the_host_forward(ck):
     want = plain.generate(prompts, max_tokens=20, temperature=0.0, ignore_eos=True)
     assert drafted.generate(prompts, max_tokens=20, temperature=0.0, ignore_eos=True) == want
     assert drafted.core.stats.speculation.get("drafted_tokens", 0) > 0
+
+
+def test_ready_agrees_with_the_rings_completeness_after_gaps_and_hits(ck):
+    """``NativeDSparkDrafts.ready`` (one ``aminmax`` a request, from the rings' addressing) answers what
+    ``DSparkRings.complete`` answers, for rings committed with gaps, from a later start (a prefix hit),
+    emptied, and at every anchor position around and past the window."""
+    import random
+
+    drafts = NativeDSparkDrafts(ck["weights"], ck["model"], capacity=4)
+    window = ck["weights"].config.window
+    rnd = random.Random(5)
+    for trial in range(40):
+        states = [drafts.new_state() for _ in range(3)]
+        for s in states:
+            start = rnd.choice((0, 0, rnd.randrange(1, 2 * window)))
+            count = rnd.randrange(0, 2 * window)
+            positions = [q for q in range(start, start + count) if rnd.random() > (0.05 if trial % 2 else 0.0)]
+            if positions:
+                pos = torch.tensor(positions)
+                hidden = torch.randn(len(positions), len(ck["weights"].config.target_layer_ids),
+                                     ck["weights"].config.trunk.hidden_size)
+                drafts.commit([s], pos, pos, hidden, torch.zeros(len(positions), dtype=torch.long))
+        for p in range(-1, 3 * window, 3):
+            last = torch.full((3,), p)
+            assert drafts.ready(states, last) == drafts.rings.complete(states, last).tolist(), (trial, p)
+        for s in states:
+            drafts.release(s)

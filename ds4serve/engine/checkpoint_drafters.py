@@ -84,13 +84,18 @@ class NativeDSparkDrafts(DSparkDrafts):
         self.native.commit(slots, positions.cpu(), hidden)
 
     def ready(self, states, last: torch.Tensor) -> list[bool]:
-        """``DSparkRings.complete`` in plain Python over the slot's positions (one request is the usual
-        case, and torch's ops cost more than the loop)."""
+        """``DSparkRings.complete`` by the rings' addressing: ring row ``r`` only ever holds a position
+        ``q = r (mod window)`` (or -1), so the window ``[max(0, p - window + 1), p]`` is whole exactly
+        when every row it needs holds a position inside it: one ``aminmax`` a request (the loop over the
+        ring's rows cost ~30 us a step)."""
         out = []
         for s, p in zip(states, last.tolist()):
-            row = self.rings.pos[s.slot].tolist()
-            have = sum(1 for q in row if 0 <= q <= p and q > p - self._window)
-            out.append(have == min(p + 1, self._window))
+            if p < 0:  # nothing committed before the block: no row to see
+                out.append(True)
+                continue
+            row = self.rings.pos[s.slot]
+            lo, hi = torch.aminmax(row if p + 1 >= self._window else row[:p + 1])
+            out.append(int(lo) >= max(0, p - self._window + 1) and int(hi) <= p)
         return out
 
     def draft(self, states, anchors, anchor_positions, pick) -> Block:
