@@ -15,9 +15,11 @@ unless the load is too uneven: a conversation keeps landing on the replica whose
 its history. (The router does not tokenize requests with images; it matches those on their text, so
 a conversation may change replicas once, at its first image.) It balances load only past
 ``--balance-abs-threshold`` requests of difference (64 by default), so conversations sharing a long
-system prompt all go to one replica until then: with a few clients pass
-``--router-args "--balance-abs-threshold 1"``. The replicas listen on the ports after the router's
-(``--port`` + 1, + 2, ...).
+system prompt all go to one replica until then. Pass ``--router-args "--cache-threshold X"`` with X
+between the system prompt's share of a first turn and a second turn's cached share (0.6 in the README's
+bench): new conversations then go to the replica with the smallest tree and later turns stay home;
+``--balance-abs-threshold 1`` spreads them too, but moves turns for load. The replicas listen on the
+ports after the router's (``--port`` + 1, + 2, ...).
 
 ``consistent_hash`` is the other policy with affinity: it hashes a session key onto a ring of the
 replicas, the first of the headers ``X-Session-ID``, ``X-User-ID``, ``X-Tenant-ID``, ``X-Request-ID``...
