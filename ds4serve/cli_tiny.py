@@ -38,6 +38,9 @@ def add_tiny_parser(sub: argparse._SubParsersAction) -> None:
     dr.add_argument("--threads", type=int, default=2, help="CPU threads (fixed for reproducibility)")
     dr.add_argument("--time-limit", type=float, default=None,
                     help="stop after this many seconds (data generation included)")
+    dr.add_argument("--bench-prompts", type=int, default=192,
+                    help="prompts shaped like `bench spec`'s (a random phrase repeated) to self-distil on")
+    dr.add_argument("--task-prompts", type=int, default=64, help="chat prompts of the tiny model's text tasks")
     ev = tsub.add_parser("eval", help="exact-match accuracy on a held-out set through the real engine")
     ev.add_argument("--model", type=Path, default=None)
     ev.add_argument("--set", dest="eval_set", choices=("original", "wild", "both"), default="original",
@@ -70,7 +73,8 @@ def run_tiny(args) -> int:
 
         torch.set_num_threads(args.threads)
         summary = train_drafter(DrafterSettings(model=args.model, out=args.out or args.model, steps=args.steps,
-                                                stages=args.stages, seed=args.seed, time_limit_s=args.time_limit))
+                                                stages=args.stages, seed=args.seed, time_limit_s=args.time_limit,
+                                                bench_prompts=args.bench_prompts, task_prompts=args.task_prompts))
         print(f"trained the drafter in {summary['elapsed_s']:.0f} s ({summary['steps']} steps)")
         return 0
     from .tiny.evaluate import HELD_OUT_SEED, evaluate

@@ -28,8 +28,9 @@ from ds4serve.tiny.train_drafter import (DrafterSettings, bench_shape_prompts, b
                                          write_drafter)
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "ds4v-tiny"
-# the default recipe's drafter (5000 steps, 1 stage) measured 2.10 on this test's prompts (2.86 on bench spec's)
-ACCEPTANCE_FLOOR = 1.9
+# the shipped drafter (12000 steps, 1 stage, 768 bench-shaped + 256 task prompts) measured 2.40 on this test's
+# prompts (3.25 on bench spec's); the one before it (5000 steps, 192 + 64 prompts) 2.28 (2.92)
+ACCEPTANCE_FLOOR = 2.3
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_saved_drafter_decodes_exactly_through_the_engine(trained):
 
 
 def test_bundled_drafter_acceptance_stays_above_the_floor():
-    """The drafter shipped in models/ds4v-tiny (``ds4serve tiny train-drafter``, 5000 steps): greedy outputs
+    """The drafter shipped in models/ds4v-tiny (``ds4serve tiny train-drafter``, 12000 steps): greedy outputs
     equal plain decoding, and its mean acceptance length stays above the floor it was measured at."""
     assert (BUNDLED / "drafter.safetensors").exists()
     llm = LLM(BUNDLED, max_seqs=4, warmup=False, speculative=json.dumps({"method": "dspark"}))
