@@ -109,9 +109,10 @@ def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks()
     assert policy.follows(req, 1, costs, 2e-5 / 4, 512) and not policy.follows(req, 1, costs, 2.3e-3 / 4, 512)
     due = [policy.wants_block(req, 1, costs, 2.3e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 0  # no rate can pay: no probe either
-    assert 0.9 < worth(1, costs, 1.7e-3 / 4) < 1  # some rate could pay, not this one's: it probes
-    assert policy.follows(req, 1, costs, 1.7e-3 / 4, 512) and not policy.pays(req, 1, costs, 1.7e-3 / 4, 512)
-    due = [policy.wants_block(req, 1, costs, 1.7e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
+    # some rate could pay (the bar, worth's break-even with drafting.MARGIN on it), not this one's: it probes
+    assert 0.9 < policy.bar(req, 1, costs, 1.5e-3 / 4, 512) < 1
+    assert policy.follows(req, 1, costs, 1.5e-3 / 4, 512) and not policy.pays(req, 1, costs, 1.5e-3 / 4, 512)
+    due = [policy.wants_block(req, 1, costs, 1.5e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 2 and due[PROBE_EVERY - 1]  # only before a probe step
     ngram = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
     assert not ngram.wants_block(req, 1, costs, 0.0, 512)  # n-gram proposals cost no drafter forward
@@ -208,3 +209,58 @@ def test_the_turns_of_a_step_are_each_requests_turn(rates, n, costs, draft_cost,
         policy = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source=source)
         assert policy.turns(reqs, n, costs, draft_cost, step) == [
             policy.turn(r, n, costs, draft_cost, 512, step) for r in reqs]
+
+
+def test_a_server_that_always_drafts_times_a_plain_step_now_and_then():
+    """``baseline``: one step in ``BASELINE_EVERY`` runs without drafts while the window holds fewer than
+    ``BASELINE_MIN`` plain steps of the step's width, and none once it holds them."""
+    from ds4serve.scheduler.step_costs import BASELINE_EVERY, BASELINE_MIN
+
+    model = StepCosts((0.7e-3, 0.11e-3, 0.06e-3))
+    due = [s for s in range(4 * BASELINE_EVERY) if model.baseline(16, s)]
+    assert due == [BASELINE_EVERY // 2 + k * BASELINE_EVERY for k in range(4)]
+    for _ in range(BASELINE_MIN):
+        model.observe(16, 0, 2.2e-3)
+    assert not any(model.baseline(16, s) for s in range(4 * BASELINE_EVERY))
+    assert model.baseline(4, BASELINE_EVERY // 2)  # another width is not known yet
+
+
+def test_timed_plain_steps_outweigh_a_wrong_calibration_at_their_width():
+    """The calibration said 2.5 ms for 16 decoders where a plain step takes 2.2; a server drafting on
+    every step but its baseline steps learns the 2.2 (the prior's corner fades as real steps come)."""
+    prior = (0.7e-3, 0.1125e-3, 0.06e-3)  # 0.7 + 16 * 0.1125 = 2.5 ms
+    model = StepCosts(prior)
+    rnd = random.Random(2)
+    for i in range(WINDOW):
+        if i % 16 == 8:
+            model.observe(16, 0, 2.2e-3)
+        else:
+            d = rnd.randint(18, 30)
+            model.observe(16, d, 2.2e-3 + 0.085e-3 * d)
+    a, b, c = model.costs()
+    assert a + 16 * b == pytest.approx(2.2e-3, rel=0.03)
+    assert c == pytest.approx(0.085e-3, rel=0.1)
+
+
+def test_the_priors_corners_fade_as_real_steps_of_their_kind_come():
+    from ds4serve.scheduler.step_costs import BASELINE_MIN, PRIOR_WEIGHT
+
+    model = StepCosts((0.7e-3, 0.1125e-3, 0.06e-3))
+    assert model._prior_weight(16, 0) == model._prior_weight(16, 20) == PRIOR_WEIGHT
+    for i in range(BASELINE_MIN):
+        model.observe(16, 0, 2.2e-3)
+        assert model._prior_weight(16, 0) == pytest.approx(PRIOR_WEIGHT * (1 - (i + 1) / BASELINE_MIN))
+    assert model._prior_weight(16, 20) == model._prior_weight(1, 0) == PRIOR_WEIGHT  # other kinds, other widths
+    for _ in range(BASELINE_MIN // 2):
+        model.observe(4, 12, 1.5e-3)
+    assert model._prior_weight(None, 12) == pytest.approx(PRIOR_WEIGHT / 2)  # drafting steps of any width
+
+
+def test_the_loops_work_between_steps_counts_in_a_steps_cost():
+    from ds4serve.scheduler.step_costs import GAP_MAX
+
+    model = StepCosts((0.5e-3, 0.1e-3, 0.05e-3))
+    model.observe_gap(0.15e-3)
+    model.observe_gap(GAP_MAX * 10)  # the loop idle, waiting for requests: not a cost
+    assert model.gap == pytest.approx(0.15e-3)
+    assert model.costs() == pytest.approx((0.65e-3, 0.1e-3, 0.05e-3))

@@ -51,6 +51,7 @@ class Scheduler(MemoryPressure):
         self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
         self._planned_at = time.perf_counter()
         self._schedules = 0
+        self._applied_at: float | None = None  # when the last step was applied (StepCosts.observe_gap)
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
@@ -130,6 +131,9 @@ class Scheduler(MemoryPressure):
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         self._planned_at = time.perf_counter()  # a decode step's cost runs from here to the end of apply
+        if self.drafting is not None and self._applied_at is not None:  # and the loop's own work between steps
+            self.step_costs.observe_gap(self._planned_at - self._applied_at)
+            self._applied_at = None
         self._schedules += 1  # drafting probes on multiples of PROBE_EVERY of this count
         self._resume_parked()
         self._admit_waiting()
@@ -200,6 +204,8 @@ class Scheduler(MemoryPressure):
         turns = (self.drafting.turns(decoders, len(decoders), self.step_costs.costs(), self.step_costs.draft_cost,
                                      self._schedules)
                  if self.drafting is not None else [(False, False)] * len(decoders))
+        if self.drafting is not None and self.step_costs.baseline(len(decoders), self._schedules + 1):
+            turns = [(False, follow) for _, follow in turns]  # the next step runs plain: no block for it
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler, drafts.get(r.request_id, ()), *turn)
                 for r, turn in zip(decoders, turns)]
@@ -213,7 +219,7 @@ class Scheduler(MemoryPressure):
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
-        if self.drafting is None or not decoders:
+        if self.drafting is None or not decoders or self.step_costs.baseline(len(decoders), self._schedules):
             return {}
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self._schedules)
@@ -349,6 +355,7 @@ class Scheduler(MemoryPressure):
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
                                     time.perf_counter() - self._planned_at - result.draft_s)
+        self._applied_at = time.perf_counter()
         return self.take_outputs()
 
     def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:
