@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ds4serve.engine.sampling import SamplingParams
 from ds4serve.scheduler.admission import SchedulerLimits
-from ds4serve.scheduler.drafting import PROBE_EVERY, DraftPolicy, worth
+from ds4serve.scheduler.drafting import FOLLOW_LIMIT, PROBE_EVERY, DraftPolicy, worth
 from ds4serve.scheduler.request import Request
 from ds4serve.scheduler.spec import RequestSpec
 from ds4serve.scheduler.step_costs import REFIT_EVERY, WINDOW, StepCosts
@@ -109,10 +109,15 @@ def test_a_drafter_forward_that_costs_more_than_it_saves_stops_drafting_blocks()
     assert policy.follows(req, 1, costs, 2e-5 / 4, 512) and not policy.follows(req, 1, costs, 2.3e-3 / 4, 512)
     due = [policy.wants_block(req, 1, costs, 2.3e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 0  # no rate can pay: no probe either
-    # some rate could pay (the bar, worth's break-even with drafting.MARGIN on it), not this one's: it probes
-    assert 0.9 < policy.bar(req, 1, costs, 1.5e-3 / 4, 512) < 1
-    assert policy.follows(req, 1, costs, 1.5e-3 / 4, 512) and not policy.pays(req, 1, costs, 1.5e-3 / 4, 512)
-    due = [policy.wants_block(req, 1, costs, 1.5e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
+    # a drafter that would need a rate past FOLLOW_LIMIT to pay is not followed at all (following costs
+    # every step); below it, some rate could pay (the bar: worth's break-even with drafting.MARGIN on it),
+    # not this one's: it probes
+    assert FOLLOW_LIMIT < policy.bar(req, 1, costs, 1.5e-3 / 4, 512) < 1
+    assert not policy.follows(req, 1, costs, 1.5e-3 / 4, 512)
+    req.draft_rate = 0.5
+    assert 0.5 < policy.bar(req, 1, costs, 0.8e-3 / 4, 512) < FOLLOW_LIMIT
+    assert policy.follows(req, 1, costs, 0.8e-3 / 4, 512) and not policy.pays(req, 1, costs, 0.8e-3 / 4, 512)
+    due = [policy.wants_block(req, 1, costs, 0.8e-3 / 4, 512, step) for step in range(2 * PROBE_EVERY)]
     assert sum(due) == 2 and due[PROBE_EVERY - 1]  # only before a probe step
     ngram = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000)
     assert not ngram.wants_block(req, 1, costs, 0.0, 512)  # n-gram proposals cost no drafter forward

@@ -48,6 +48,10 @@ SURVIVAL_DECAY = 0.8  # weight of the past in a request's record of its drafter'
 # noisy step times, an average of bursty acceptance), and a draft expected to pay a few percent did not pay
 # at all at 16 streams of n-gram drafts (0.88x, with the rule's bar at 0.4 and the rate at 0.47)
 MARGIN = 1.1
+# a checkpoint drafter keeps following a request's rows (the capture split, the ring commits) only while the
+# bar is below this: following costs every step, and a drafter that would need a rate above it to pay (the
+# bundled model's DSpark at 4 streams) cost 6% in captures and probes that never verified a row
+FOLLOW_LIMIT = 0.75
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class DraftPolicy:
         bar = self._bar(len(decoders), costs, draft_cost)  # the same for every request of the step
         if budget <= 0:
             return out
-        if bar >= 1.0:  # no acceptance rate can pay beside this many decoders: not even a probe
+        if bar >= self._limit():  # no acceptance rate can pay beside this many decoders: not even a probe
             for req in decoders:
                 req.draft_skipped += 1
             return out
@@ -151,13 +155,18 @@ class DraftPolicy:
     def _bar(self, n: int, costs: Sequence[float], draft_cost: float) -> float:
         return MARGIN * worth(n, tuple(costs), draft_cost if self.source == "model" else 0.0)
 
+    def _limit(self) -> float:
+        """The bar at which drafting stops, probes included: 1 for n-gram drafts (no rate can pay past
+        it); ``FOLLOW_LIMIT`` for a checkpoint drafter, whose following costs every step."""
+        return FOLLOW_LIMIT if self.source == "model" else 1.0
+
     def turns(self, reqs: Sequence[Request], n: int, costs: Sequence[float], draft_cost: float,
               step: int) -> list[tuple[bool, bool]]:
         """``turn`` of each of ``reqs`` beside ``n`` decoders, the bar worked out once for the step (a
         decode step asks this of every decoder: per request, the bar's arithmetic was a tenth of a 4-stream
         step of the bundled model)."""
         bar = self._bar(n, costs, draft_cost) if self.source == "model" else 1.0
-        if bar >= 1.0:
+        if bar >= self._limit():
             return [(False, False)] * len(reqs)
         probe_next = (step + 1) % PROBE_EVERY == 0
         out = []
@@ -172,13 +181,13 @@ class DraftPolicy:
 
     def follows(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
         """Whether a checkpoint drafter keeps ``req``'s committed rows this step (``DecodeRow.follow``): while
-        some acceptance rate could pay (``bar`` below 1), as the request drafts or probes from them. Once
-        none can (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
+        drafting could plausibly pay (``bar`` below ``FOLLOW_LIMIT``), as the request drafts or probes from
+        them. Once it cannot (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
         the drafter's rings then miss those positions and the request drafts again only once they are
         whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
         if self.source != "model" or not draftable(req.sampler):
             return False
-        return self.bar(req, n, costs, draft_cost, max_model_len) < 1.0
+        return self.bar(req, n, costs, draft_cost, max_model_len) < FOLLOW_LIMIT
 
     def turn(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
              step: int) -> tuple[bool, bool]:
