@@ -117,9 +117,9 @@ def render(rows: Sequence[SpecRow], speculative: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pos = " / ".join(f"{a:.2f}" for a in r.acceptance_by_position) or "-"
-        lines.append(f"| {r.streams} | {r.plain_tok_s:.1f} | {r.spec_tok_s:.1f} | {r.ratio:.2f}x | {r.e2e_ratio:.2f}x | "
-                     f"{r.drafted} | {r.accepted} | {r.mean_acceptance_length:.2f} | {pos} | "
-                     f"{'yes' if r.identical else 'NO'} |")
+        lines.append(f"| {r.streams} | {r.plain_tok_s:.1f} | {r.spec_tok_s:.1f} | {r.ratio:.2f}x "
+                     f"| {r.e2e_ratio:.2f}x | {r.drafted} | {r.accepted} | {r.mean_acceptance_length:.2f} | {pos} "
+                     f"| {'yes' if r.identical else 'NO'} |")
     return "\n".join(lines)
 
 

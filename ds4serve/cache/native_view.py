@@ -92,22 +92,10 @@ def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Te
         return None
     keys, ratios = geometry
     window = layout.cfg.sliding_window
-    S = len(chunks)
     starts, ns = [c.start for c in chunks], [len(c) for c in chunks]
     ends = [s + n for s, n in zip(starts, ns)]
-    width = max(1, max(len(c.block_table) for c in chunks))
-    flat: list[int] = []
-    for c in chunks:
-        flat += c.block_table
-        flat += [0] * (width - len(c.block_table))
-    flat += [c.slot for c in chunks] + starts + ns + [k[0] for k in keys] + [int(k[1]) for k in keys] + list(ratios)
-    inputs = torch.tensor(flat, dtype=torch.int64)
-    at = inputs.data_ptr()
-    off = [S * width + i * S for i in range(3)] + [S * width + 3 * S + i * len(keys) for i in range(2)]
     T, after = sum(ns), all(n == 1 for n in ns)
-    spec = _In(S, T, window, n_slots, layout.page_tokens, width, len(keys), len(ratios), int(after),
-               at + 8 * off[0], at + 8 * off[1], at + 8 * off[2], at, at + 8 * off[3], at + 8 * off[4],
-               at + 8 * (off[4] + len(keys)))
+    spec, inputs = _inputs(layout, n_slots, chunks, keys, ratios, T, after)
     kw = max(min(window, e) for e in ends)
     m = sum(min(n, window) for n in ns)
     # the int64 and the bool arrays in the order the view is assembled below
@@ -144,6 +132,25 @@ def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Te
     lib.ds4_text_view(ctypes.byref(spec), ctypes.byref(out))
     return BatchView(ids=ids, positions=li[0], swa_keys=li[1].view(T, kw), swa_valid=bi[0].view(T, kw),
                      swa_dst=li[2], swa_src=li[3], compress=compress, visible=visible, rings_after_write=after)
+
+
+def _inputs(layout: StateLayout, n_slots: int, chunks: Sequence, keys, ratios, T: int,
+            after: bool) -> tuple[_In, torch.Tensor]:
+    """The C descriptor of the chunks, its arrays in one int64 tensor (returned: it must outlive the call):
+    the block tables (0-padded), slots, starts, lengths, the geometries' ratios and overlaps, the ratios."""
+    S, width = len(chunks), max(1, max(len(c.block_table) for c in chunks))
+    flat: list[int] = []
+    for c in chunks:
+        flat += c.block_table
+        flat += [0] * (width - len(c.block_table))
+    flat += ([c.slot for c in chunks] + [c.start for c in chunks] + [len(c) for c in chunks]
+             + [k[0] for k in keys] + [int(k[1]) for k in keys] + list(ratios))
+    inputs = torch.tensor(flat, dtype=torch.int64)
+    at = inputs.data_ptr() + 8 * S * width  # past the tables
+    spec = _In(S, T, layout.cfg.sliding_window, n_slots, layout.page_tokens, width, len(keys), len(ratios), int(after),
+               at, at + 8 * S, at + 16 * S, inputs.data_ptr(), at + 24 * S, at + 8 * (3 * S + len(keys)),
+               at + 8 * (3 * S + 2 * len(keys)))
+    return spec, inputs
 
 
 def _pointers(base: int, sizes: Sequence[int], itemsize: int) -> list[int]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -161,10 +162,11 @@ class DraftPolicy:
         return FOLLOW_LIMIT if self.source == "model" else 1.0
 
     def turns(self, reqs: Sequence[Request], n: int, costs: Sequence[float], draft_cost: float,
-              step: int) -> list[tuple[bool, bool]]:
+              step: int, plain_next: bool = False) -> list[tuple[bool, bool]]:
         """``turn`` of each of ``reqs`` beside ``n`` decoders, the bar worked out once for the step (a
         decode step asks this of every decoder: per request, the bar's arithmetic was a tenth of a 4-stream
-        step of the bundled model)."""
+        step of the bundled model). ``plain_next``: the next step runs without drafts (``StepCosts.baseline``),
+        so no block is drafted for it."""
         bar = self._bar(n, costs, draft_cost) if self.source == "model" else 1.0
         if bar >= self._limit():
             return [(False, False)] * len(reqs)
@@ -172,7 +174,7 @@ class DraftPolicy:
         out = []
         for req in reqs:
             follow = draftable(req.sampler)
-            out.append((follow and (probe_next or req.draft_rate > bar), follow))
+            out.append((follow and not plain_next and (probe_next or req.draft_rate > bar), follow))
         return out
 
     def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
@@ -266,3 +268,13 @@ def record(req: Request, drafted: int, accepted: int, expected: float | None = N
     if expected is not None:
         req.survival_hits = SURVIVAL_DECAY * req.survival_hits + accepted
         req.survival_expected = SURVIVAL_DECAY * req.survival_expected + expected
+
+
+def count_draft(req: Request, draft: tuple[int, ...], accepted: int, spec: Counter) -> None:
+    """Acceptance figures of one verify step: the request's own rate (its next draft lengths, ``record``)
+    and the server's totals in ``spec`` (verify steps, drafted and accepted tokens, per draft position)."""
+    record(req, len(draft), accepted, estimated(req, len(draft), accepted))
+    spec["verify_steps"] += 1
+    spec["drafted_tokens"] += len(draft)
+    spec["accepted_tokens"] += accepted
+    spec.update([f"accepted_at_{i}" for i in range(accepted)] + [f"drafted_at_{i}" for i in range(len(draft))])

@@ -28,7 +28,7 @@ from ..engine.encoder import EncoderWorker, ImageState
 from ..multimodal.chunking import next_chunk
 from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                            StepStatus)
-from .drafting import DraftPolicy, estimated, record
+from .drafting import DraftPolicy, count_draft
 from .step_costs import StepCosts
 from .admission import FitLimits, QueueFull, RequestTooLarge, SchedulerLimits, fit, image_bytes
 from .isolation import Quarantine
@@ -51,7 +51,6 @@ class Scheduler(MemoryPressure):
         self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
         self._planned_at = time.perf_counter()
         self._schedules = 0
-        self._applied_at: float | None = None  # when the last step was applied (StepCosts.observe_gap)
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
         self.image_bytes_used = 0
@@ -130,10 +129,7 @@ class Scheduler(MemoryPressure):
 
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        self._planned_at = time.perf_counter()  # a decode step's cost runs from here to the end of apply
-        if self.drafting is not None and self._applied_at is not None:  # and the loop's own work between steps
-            self.step_costs.observe_gap(self._planned_at - self._applied_at)
-            self._applied_at = None
+        self._planned_at = self.step_costs.planned()  # a decode step's cost runs from here to the end of apply
         self._schedules += 1  # drafting probes on multiples of PROBE_EVERY of this count
         self._resume_parked()
         self._admit_waiting()
@@ -201,21 +197,17 @@ class Scheduler(MemoryPressure):
                 break
             if not self._preempt():
                 break
-        turns = (self.drafting.turns(decoders, len(decoders), self.step_costs.costs(), self.step_costs.draft_cost,
-                                     self._schedules)
-                 if self.drafting is not None else [(False, False)] * len(decoders))
-        if self.drafting is not None and self.step_costs.baseline(len(decoders), self._schedules + 1):
-            turns = [(False, follow) for _, follow in turns]  # the next step runs plain: no block for it
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler, drafts.get(r.request_id, ()), *turn)
-                for r, turn in zip(decoders, turns)]
+                for r, turn in zip(decoders, self._turns(decoders, len(decoders)))]
 
-    def _drafter_turn(self, req: Request, n: int) -> tuple[bool, bool]:
-        """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders (``DraftPolicy.turn``)."""
+    def _turns(self, reqs: list[Request], n: int) -> list[tuple[bool, bool]]:
+        """``(propose, follow)`` of each of ``reqs`` beside ``n`` decoders (``DraftPolicy.turns``); no block
+        is drafted for a step that will run plain (``StepCosts.baseline``)."""
         if self.drafting is None:
-            return False, False
-        return self.drafting.turn(req, n, self.step_costs.costs(), self.step_costs.draft_cost,
-                                  self.limits.max_model_len, self._schedules)
+            return [(False, False)] * len(reqs)
+        return self.drafting.turns(reqs, n, self.step_costs.costs(), self.step_costs.draft_cost, self._schedules,
+                                   plain_next=self.step_costs.baseline(n, self._schedules + 1))
 
     def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
@@ -285,7 +277,7 @@ class Scheduler(MemoryPressure):
                            if lo <= sp.start and sp.end <= hi)
         return PassMember(req.request_id, req.slot, lo, req.input_ids(lo, hi), sample=prompt_scores.samples(req, n),
                           sampler=req.sampler, spans=req.spans, image_rows=images, captures=self.reuse.captures(req, lo, hi),
-                          follow=self._drafter_turn(req, len(self.running))[1], **prompt_scores.scoring(req, lo, hi))
+                          follow=self._turns([req], len(self.running))[0][1], **prompt_scores.scoring(req, lo, hi))
 
     def _image_chunk(self, req: Request, budget: int) -> tuple[int, bool]:
         """Next chunk of an image request: whole blocks only, and only blocks whose rows are ready.
@@ -326,7 +318,7 @@ class Scheduler(MemoryPressure):
             req = self.requests[d.request_id]
             req.computed += 1 + accepted.get(d.slot, 0)
             if d.draft:
-                self._count_draft(req, d.draft, accepted.get(d.slot, 0))
+                count_draft(req, d.draft, accepted.get(d.slot, 0), self.spec)
         advanced = [r for p in plan.passes for r in self._advance_pass(p, bad)]
         for rid, err in bad.items():  # its pass is folded in (nothing of it is left in flight): fail it alone
             self._finish(self.requests[rid], RequestStatus.FINISHED_ERROR, error=err)
@@ -355,7 +347,7 @@ class Scheduler(MemoryPressure):
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
                                     time.perf_counter() - self._planned_at - result.draft_s)
-        self._applied_at = time.perf_counter()
+        self.step_costs.applied()
         return self.take_outputs()
 
     def refuse(self, plan: StepPlan, problems: dict[str, str]) -> list[RequestOutput]:
@@ -432,14 +424,6 @@ class Scheduler(MemoryPressure):
             elif req.pending == 1 and not m.sample:
                 req.status = RequestStatus.DECODING
         return done
-
-    def _count_draft(self, req: Request, draft: tuple[int, ...], accepted: int) -> None:
-        """Acceptance figures: the request's own rate (its next draft lengths) and the step totals."""
-        record(req, len(draft), accepted, estimated(req, len(draft), accepted))
-        self.spec["verify_steps"] += 1
-        self.spec["drafted_tokens"] += len(draft)
-        self.spec["accepted_tokens"] += accepted
-        self.spec.update([f"accepted_at_{i}" for i in range(accepted)] + [f"drafted_at_{i}" for i in range(len(draft))])
 
     def _accept(self, req: Request, tok) -> None:
         if req.status.finished:

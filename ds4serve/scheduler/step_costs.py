@@ -23,6 +23,7 @@ loop's own work between steps counts in ``a`` (``observe_gap``), as every step p
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 
@@ -62,6 +63,7 @@ class StepCosts:
         self._fitted: tuple[float, ...] = self.prior
         self._draft_s = self._draft_rows = 0.0  # decayed sums: drafter seconds, draft rows verified
         self.gap = 0.0  # seconds the serving loop spends between steps (running average, observe_gap)
+        self._applied_at: float | None = None
 
     def observe(self, decoders: int, draft_rows: int, seconds: float) -> None:
         """One decode-only step: ``decoders`` rows of their own, ``draft_rows`` more, ``seconds`` from
@@ -131,6 +133,18 @@ class StepCosts:
     def _add(self, moments: tuple[float, ...], sign: int) -> None:
         for i, m in enumerate(moments):
             self._sums[i] += sign * m
+
+    def planned(self) -> float:
+        """A step is being planned: now, after folding in the gap since the last step was applied."""
+        now = time.perf_counter()
+        if self._applied_at is not None:
+            self.observe_gap(now - self._applied_at)
+            self._applied_at = None
+        return now
+
+    def applied(self) -> None:
+        """The step planned last is applied (its outputs go to the loop now)."""
+        self._applied_at = time.perf_counter()
 
     def observe_gap(self, seconds: float) -> None:
         """The time from one step's apply to the next step's plan: the serving loop's own work a step
