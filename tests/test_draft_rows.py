@@ -64,11 +64,13 @@ def test_a_draft_as_long_as_a_ring_is_refused(copies):
         SavedRings(state, [DraftSpan(0, 3, 4)])
 
 
-def test_the_native_plan_follows_a_replaced_ring(copies):
+def test_the_native_plan_follows_a_replaced_ring():
     """The C copies address the ring tensors by pointer: a state whose ring tensor was replaced since the
     last plan gets a new one (never a copy into freed memory)."""
-    if copies != "native":
-        pytest.skip("the torch form has no plan")
+    from ds4serve.cache import draft_rows
+
+    if draft_rows._library.get() is None:
+        pytest.skip(f"no native ring copies here: {draft_rows._library.failure}")
 
     class State:  # weakly referenceable, as ModelState is: its plan is kept between steps
         def __init__(self, inner):
