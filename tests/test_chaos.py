@@ -81,17 +81,36 @@ def _steps_wait_for_a_burst(monkeypatch, n: int, quiet_s: float = 0.5) -> None:
 # 0.3 s, a fast engine finishes the first answers before the pool fills, and nothing is suspended.
 IMAGE_ABORTS = {"abort_image": 6, "complete_stream": 2}
 PRESSURE = {"complete_stream": 1, "complete": 1}
+# With CHAOS_SETTINGS' 64-token pages no text prompt of the table crosses a page while it decodes, so
+# whether anything was preempted hung on how many image prompts the first six admitted held (it once
+# was none, and the stall fault went unseen). 16-token pages in an 8-page pool: every request needs at
+# least 2 pages by its end (shortest prompt 21 tokens + its answer), and the six admitted together need
+# at least 12, so growth must preempt whatever the order of arrival.
+PRESSURE_SETTINGS = {**CHAOS_SETTINGS, "page_tokens": 16, "kv_budget": 128}
 
 
-@pytest.mark.parametrize("fault,needle,mix,spread_s", [
-    (_fault_leaked_slot_on_image_abort, "leaks", IMAGE_ABORTS, 0.3),
-    (_fault_encoder_outlives_request, "encoder work for retired requests", IMAGE_ABORTS, 0.3),
-    (_fault_stall_after_suspend, "stalled", PRESSURE, 0.0),
+@pytest.mark.parametrize("fault,needle,mix,spread_s,settings", [
+    (_fault_leaked_slot_on_image_abort, "leaks", IMAGE_ABORTS, 0.3, CHAOS_SETTINGS),
+    (_fault_encoder_outlives_request, "encoder work for retired requests", IMAGE_ABORTS, 0.3, CHAOS_SETTINGS),
+    (_fault_stall_after_suspend, "stalled", PRESSURE, 0.0, PRESSURE_SETTINGS),
 ])
-def test_chaos_catches_classic_faults(fault, needle, mix, spread_s, random_ckpt, monkeypatch):
+def test_chaos_catches_classic_faults(fault, needle, mix, spread_s, settings, random_ckpt, monkeypatch):
     fault(monkeypatch)
-    with serve(random_ckpt, settings=CHAOS_SETTINGS) as srv:
+    with serve(random_ckpt, settings=settings) as srv:
         report = run_chaos(srv, seed=11, n=60, spread_s=spread_s, timeout_s=8.0, mix=mix)
     print(report.counts, report.engine_stats)
     assert not report.ok, report.engine_stats  # e.g. nothing was preempted: the fault was never reached
     assert any(needle in p for p in report.problems), report.problems
+
+
+def test_pressure_burst_preempts_and_recovers(random_ckpt, monkeypatch):
+    """The stall fault's burst, with no fault: it really preempts (so the fault is reached), and every
+    preempted request comes back to its exact answer (so "stalled" above is the fault's, not the burst's)."""
+    _steps_wait_for_a_burst(monkeypatch, CHAOS_SETTINGS["max_seqs"] * 2)
+    with serve(random_ckpt, settings=PRESSURE_SETTINGS) as srv:
+        report = run_chaos(srv, seed=11, n=60, spread_s=0.0, timeout_s=8.0, mix=PRESSURE)
+    print(report.counts, report.engine_stats)
+    assert report.ok, report.problems
+    stats = report.engine_stats
+    assert stats["preempt_suspend"] + stats["preempt_drop"] > 0 and stats["resumed"] > 0, stats
+    assert report.counts.get("completed", 0) == 60, report.counts
