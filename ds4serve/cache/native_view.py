@@ -71,62 +71,92 @@ def plain_text(chunks: Sequence, device: torch.device) -> bool:
     return True
 
 
+def _geometry(layout: StateLayout) -> tuple[tuple[tuple[int, bool], ...], tuple[int, ...]] | None:
+    """The compressor geometries ``(ratio, overlap)`` and the distinct ratios of ``layout`` (None: more
+    than the C descriptor holds)."""
+    keys = tuple(sorted({(ly.ratio, ly.overlap) for ly in layout.layers if ly.ratio}))
+    ratios = tuple(layout.cfg.distinct_ratios)
+    return None if len(keys) > MAX_GEOMETRIES or len(ratios) > MAX_GEOMETRIES else (keys, ratios)
+
+
 def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Tensor) -> BatchView | None:
     """``build_view(..., tiles=False)`` of a plain text forward (see ``plain_text``), or None when the
-    library is not built here. ``ids``: the chunks' token ids, concatenated."""
+    library is not built here. ``ids``: the chunks' token ids, concatenated.
+
+    Every step builds one, so the Python around the C call is kept to a few allocations: the inputs go
+    in one int64 tensor, the outputs come out of one int64 and one bool buffer, sliced into the
+    ``BatchView``'s arrays (views of disjoint ranges)."""
     lib = library()
-    if lib is None:
+    geometry = _geometry(layout) if lib is not None else None
+    if geometry is None:
         return None
-    cfg, window = layout.cfg, layout.cfg.sliding_window
-    keys = sorted({(ly.ratio, ly.overlap) for ly in layout.layers if ly.ratio})
-    ratios = list(cfg.distinct_ratios)
-    if len(keys) > MAX_GEOMETRIES or len(ratios) > MAX_GEOMETRIES:
-        return None
+    keys, ratios = geometry
+    window = layout.cfg.sliding_window
     starts, ns = [c.start for c in chunks], [len(c) for c in chunks]
     ends = [s + n for s, n in zip(starts, ns)]
-    width = max(1, max(len(c.block_table) for c in chunks))
-    tables = torch.zeros(len(chunks), width, dtype=torch.int64)
-    for i, c in enumerate(chunks):
-        if len(c.block_table):
-            tables[i, :len(c.block_table)] = torch.as_tensor(list(c.block_table), dtype=torch.int64)
     T, after = sum(ns), all(n == 1 for n in ns)
-    keep = [tables, torch.tensor([c.slot for c in chunks]), torch.tensor(starts), torch.tensor(ns),
-            torch.tensor([k[0] for k in keys]), torch.tensor([int(k[1]) for k in keys]), torch.tensor(ratios)]
-    spec = _In(S=len(chunks), T=T, W=window, n_slots=n_slots, page_tokens=layout.page_tokens, table_width=width,
-               n_keys=len(keys), n_ratios=len(ratios), after=int(after), tables=keep[0].data_ptr(),
-               slot=keep[1].data_ptr(), start=keep[2].data_ptr(), n=keep[3].data_ptr(),
-               key_ratio=keep[4].data_ptr(), key_overlap=keep[5].data_ptr(), ratios=keep[6].data_ptr())
+    spec, inputs = _inputs(layout, n_slots, chunks, keys, ratios, T, after)
     kw = max(min(window, e) for e in ends)
-    out = _Out(Kw=kw)
-    i64, b8 = torch.int64, torch.bool
-
-    def new(*shape, dtype=i64) -> torch.Tensor:
-        t = torch.empty(*shape, dtype=dtype)
-        keep.append(t)
-        return t
-
-    positions, swa_keys, swa_valid = new(T), new(T, kw), new(T, kw, dtype=b8)
     m = sum(min(n, window) for n in ns)
-    swa_dst, swa_src = new(m), new(m)
-    for name, t in (("positions", positions), ("swa_keys", swa_keys), ("swa_valid", swa_valid), ("swa_dst", swa_dst),
-                    ("swa_src", swa_src)):
-        setattr(out, name, t.data_ptr())
-    compress = {}
-    for k, (ratio, overlap) in enumerate(keys):
+    # the int64 and the bool arrays in the order the view is assembled below
+    longs, bools = [T, T * kw, m, m], [T * kw]
+    spans = []
+    for ratio, overlap in keys:
         span = ratio * (2 if overlap else 1)
         e = sum(end // ratio - s // ratio for s, end in zip(starts, ends))
         mk = sum(min(n, span) for n in ns)
-        ci = dict(emit_slots=new(e, span), emit_valid=new(e, span, dtype=b8), emit_pos=new(e), emit_rows=new(e),
-                  ring_dst=new(mk), ring_src=new(mk))
-        for name, t in ci.items():
-            getattr(out, name)[k] = t.data_ptr()
-        compress[(ratio, overlap)] = CompressIndex(ratio=ratio, overlap=overlap, **ci)
+        spans.append((span, e))
+        longs += [e * span, e, e, mk, mk]
+        bools.append(e * span)
+    widths = [max(e // ratio for e in ends) for ratio in ratios]
+    longs += [T * w for w in widths]
+    bools += [T * w for w in widths]
+    i64, b8 = torch.empty(sum(longs), dtype=torch.int64), torch.empty(sum(bools), dtype=torch.bool)
+    lp = _pointers(i64.data_ptr(), longs, 8)
+    bp = _pointers(b8.data_ptr(), bools, 1)
+    li, bi = torch.split(i64, longs), torch.split(b8, bools)
+    out = _Out(lp[0], lp[1], bp[0], lp[2], lp[3], Kw=kw)
+    compress = {}
+    for k, ((span, e), key) in enumerate(zip(spans, keys)):
+        j = 4 + 5 * k
+        out.emit_slots[k], out.emit_valid[k], out.emit_pos[k], out.emit_rows[k] = lp[j], bp[1 + k], lp[j + 1], lp[j + 2]
+        out.ring_dst[k], out.ring_src[k] = lp[j + 3], lp[j + 4]
+        compress[key] = CompressIndex(ratio=key[0], overlap=key[1], emit_slots=li[j].view(e, span),
+                                      emit_valid=bi[1 + k].view(e, span), emit_pos=li[j + 1], emit_rows=li[j + 2],
+                                      ring_dst=li[j + 3], ring_src=li[j + 4])
     visible = {}
-    for r, ratio in enumerate(ratios):
-        width_r = max(e // ratio for e in ends)
-        rows, valid = new(T, width_r), new(T, width_r, dtype=b8)
-        out.vis_rows[r], out.vis_valid[r], out.R[r] = rows.data_ptr(), valid.data_ptr(), width_r
-        visible[ratio] = VisibleRows(rows=rows, valid=valid)
+    for r, (ratio, w) in enumerate(zip(ratios, widths)):
+        j, jb = 4 + 5 * len(keys) + r, 1 + len(keys) + r
+        out.vis_rows[r], out.vis_valid[r], out.R[r] = lp[j], bp[jb], w
+        visible[ratio] = VisibleRows(rows=li[j].view(T, w), valid=bi[jb].view(T, w))
     lib.ds4_text_view(ctypes.byref(spec), ctypes.byref(out))
-    return BatchView(ids=ids, positions=positions, swa_keys=swa_keys, swa_valid=swa_valid, swa_dst=swa_dst,
-                     swa_src=swa_src, compress=compress, visible=visible, rings_after_write=after)
+    return BatchView(ids=ids, positions=li[0], swa_keys=li[1].view(T, kw), swa_valid=bi[0].view(T, kw),
+                     swa_dst=li[2], swa_src=li[3], compress=compress, visible=visible, rings_after_write=after)
+
+
+def _inputs(layout: StateLayout, n_slots: int, chunks: Sequence, keys, ratios, T: int,
+            after: bool) -> tuple[_In, torch.Tensor]:
+    """The C descriptor of the chunks, its arrays in one int64 tensor (returned: it must outlive the call):
+    the block tables (0-padded), slots, starts, lengths, the geometries' ratios and overlaps, the ratios."""
+    S, width = len(chunks), max(1, max(len(c.block_table) for c in chunks))
+    flat: list[int] = []
+    for c in chunks:
+        flat += c.block_table
+        flat += [0] * (width - len(c.block_table))
+    flat += ([c.slot for c in chunks] + [c.start for c in chunks] + [len(c) for c in chunks]
+             + [k[0] for k in keys] + [int(k[1]) for k in keys] + list(ratios))
+    inputs = torch.tensor(flat, dtype=torch.int64)
+    at = inputs.data_ptr() + 8 * S * width  # past the tables
+    spec = _In(S, T, layout.cfg.sliding_window, n_slots, layout.page_tokens, width, len(keys), len(ratios), int(after),
+               at, at + 8 * S, at + 16 * S, inputs.data_ptr(), at + 24 * S, at + 8 * (3 * S + len(keys)),
+               at + 8 * (3 * S + 2 * len(keys)))
+    return spec, inputs
+
+
+def _pointers(base: int, sizes: Sequence[int], itemsize: int) -> list[int]:
+    """The address of each of ``sizes``' consecutive arrays in a buffer at ``base``."""
+    out, at = [], base
+    for n in sizes:
+        out.append(at)
+        at += n * itemsize
+    return out
