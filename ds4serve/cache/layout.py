@@ -12,6 +12,7 @@ Two kinds of state per sequence:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,7 @@ class StateLayout:
         )
         return cls(cfg=cfg, dtype=dtype, page_tokens=page_tokens, layers=layers)
 
-    @property
+    @functools.cached_property  # read by every step's figures (``bytes_per_*``): worked out once
     def elem(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
@@ -73,6 +74,14 @@ class StateLayout:
 
     def bytes_per_slot(self) -> int:
         """Fixed state of one sequence slot: sliding rings plus compressor rings (fp32)."""
+        return self._sizes[0]
+
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, int]:
+        """``(bytes_per_slot, bytes_per_page)``: the accounting asks for them every step."""
+        return self._slot_bytes(), self._page_bytes()
+
+    def _slot_bytes(self) -> int:
         total = 0
         for ly in self.layers:
             total += ly.window * ly.head_dim * self.elem
@@ -92,6 +101,9 @@ class StateLayout:
         return total
 
     def bytes_per_page(self) -> int:
+        return self._sizes[1]
+
+    def _page_bytes(self) -> int:
         total = 0
         for ly in self.layers:
             if ly.ratio:

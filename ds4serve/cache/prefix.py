@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .layout import StateLayout
 from .pages import PageAllocator
@@ -96,7 +96,7 @@ class PrefixCache:
 
     def summary(self) -> dict[str, int]:
         tiers = self.tiers.summary() if self.tiers is not None else {}
-        return {**asdict(self.stats), "snapshots": self.snapshots, "cached_pages": self.pages.cache_only_pages,
+        return {**vars(self.stats), "snapshots": self.snapshots, "cached_pages": self.pages.cache_only_pages,
                 "cached_bytes": self.bytes_used(), "budget_bytes": self.budget, **tiers}
 
     # ---- lookup and attach -----------------------------------------------------------------------
