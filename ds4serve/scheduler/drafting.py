@@ -11,14 +11,15 @@ request drafts only while its acceptance rate pays for its rows beside the step'
 (``worth``: ``rate > c n / (a + b n)``), so drafting turns itself down as the batch
 fills and a loaded server is not slower for it; and all drafts together take at most ``share`` of the
 rows a step may carry beside its decoders (``SchedulerLimits.prefill_tokens(n)``, the rest stays with
-prefill progress). Requests whose drafts were accepted most often go first, and each n-gram draft
-holds ``ceil(k * rate)`` tokens (at least one), ``rate`` being an exponential average of its own
-acceptance (starting at 1, as a new request has no history). A checkpoint drafter's block says more: its
-survival estimate at each row (the confidence product), scaled by what such estimates were worth for the
-request so far, is the row's probability of acceptance, and the step verifies the rows that raise its
-expected tokens per second, best first across requests (``_by_survival``). A request whose rate does not
-pay drafts a single token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate
-that fell during one stretch of text can recover in the next (a checkpoint drafter's probe block, its
+prefill progress), and only rows that the prompts waiting to prefill leave (``scheduler.speculation``).
+Requests whose drafts were accepted most often go first, and each n-gram draft holds ``ceil(k * rate)``
+tokens (at least one), ``rate`` being an exponential average of its own acceptance (starting at 1, as a
+new request has no history). A checkpoint drafter's block says more: its survival estimate at each row
+(the confidence product), scaled by what such estimates were worth for the request so far, is the row's
+probability of acceptance, and the step verifies the rows that raise its expected tokens per second,
+best first across requests (``_by_survival``). A request whose rate does not pay drafts a single token
+every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that fell during one stretch
+of text can recover in the next (a checkpoint drafter's probe block, its
 forward spent either way, is verified by its survival estimates like any other block).
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
@@ -71,14 +72,16 @@ class DraftPolicy:
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
-             draft_cost: float = 0.0, step: int = 0) -> dict[str, tuple[int, ...]]:
-        """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows, for
+             draft_cost: float = 0.0, step: int = 0, prefill: int = 0) -> dict[str, tuple[int, ...]]:
+        """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows and
+        within the rows that ``prefill`` prompt tokens waiting for this step leave (``scheduler.speculation``), for
         requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
         observed costs, ``step_costs.StepCosts``; the calibrated forward's by default) and, for a
         checkpoint drafter, for its ``draft_cost`` seconds a verified draft row. ``step``: the
         scheduler's step count; requests below the bar probe together when it is a multiple of
         ``PROBE_EVERY`` (so a checkpoint drafter runs once for all of them, not once a step for one)."""
-        budget = int(limits.prefill_tokens(len(decoders)) * self.share)
+        spare = limits.prefill_tokens(len(decoders))
+        budget = min(int(spare * self.share), spare - prefill)
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
         surviving: list[Request] = []  # model blocks whose length the survival estimate decides (below)

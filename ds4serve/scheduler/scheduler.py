@@ -35,6 +35,7 @@ from .isolation import Quarantine
 from .passes import PassTable
 from . import prompt_scores
 from .pressure import MemoryPressure
+from .speculation import Speculation
 from .request import Request, RequestOutput, RequestStatus
 from .reuse import PrefixReuse
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 __all__ = ["QueueFull", "RequestTooLarge", "Scheduler", "SchedulerLimits"]  # refusals live in admission
 
 
-class Scheduler(MemoryPressure):
+class Scheduler(MemoryPressure, Speculation):
     def __init__(self, limits: SchedulerLimits, cache: CacheManager, encoder: EncoderWorker | None = None,
                  drafting: DraftPolicy | None = None):
         self.limits = limits
@@ -189,7 +190,7 @@ class Scheduler(MemoryPressure):
     def _plan_decodes(self, lane: int | None) -> list[DecodeRow]:
         while True:
             decoders = [r for r in self._lane(lane) if r.status is RequestStatus.DECODING]
-            drafts = self._drafts(decoders)
+            drafts = self._drafts(decoders, lane)
             growth = {r.slot: r.computed + 1 + len(drafts.get(r.request_id, ())) for r in decoders}
             if drafts and not self.cache.reserve(growth):  # no pages for the drafts: decode without them
                 drafts, growth = {}, {r.slot: r.computed + 1 for r in decoders}
@@ -200,21 +201,6 @@ class Scheduler(MemoryPressure):
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler, drafts.get(r.request_id, ()), *turn)
                 for r, turn in zip(decoders, self._turns(decoders, len(decoders)))]
-
-    def _turns(self, reqs: list[Request], n: int) -> list[tuple[bool, bool]]:
-        """``(propose, follow)`` of each of ``reqs`` beside ``n`` decoders (``DraftPolicy.turns``); no block
-        is drafted for a step that will run plain (``StepCosts.baseline``)."""
-        if self.drafting is None:
-            return [(False, False)] * len(reqs)
-        return self.drafting.turns(reqs, n, self.step_costs.costs(), self.step_costs.draft_cost, self._schedules,
-                                   plain_next=self.step_costs.baseline(n, self._schedules + 1))
-
-    def _drafts(self, decoders: list[Request]) -> dict[str, tuple[int, ...]]:
-        """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter."""
-        if self.drafting is None or not decoders or self.step_costs.baseline(len(decoders), self._schedules):
-            return {}
-        return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
-                                  self._schedules)
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
