@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from ds4serve.config import ConfigError
@@ -206,7 +208,9 @@ def test_drafting_turns_down_as_the_batch_fills():
             out.append(r)
         return out
 
-    assert policy.plan(decoders(1, 0.3), limits) == {"r0": (1, 2)}  # ceil(4 * 0.3) = 2 tokens
+    # one stream: bar 1.1 c / (a + b) = 0.027; row i is accepted with chance 0.25 ** (i + 1): 0.25, 0.0625
+    # pay, 0.0156 does not (rows_that_pay)
+    assert policy.plan(decoders(1, 0.25), limits) == {"r0": (1, 2)}
     assert policy.plan(decoders(64, 0.3), limits, step=1) == {}  # 0.3 < worth(64) = 0.62 (not a probe step)
     many = policy.plan(decoders(64, 0.9), limits)  # above the floor, within half the spare rows
     assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
@@ -271,3 +275,38 @@ def test_drafts_take_only_the_rows_a_waiting_prompt_leaves(llm_factory):
         assert [d.request_id for d in plan.decodes] == [talker.request_id]
         assert prefilled == min(length, spare), (prefilled, spare)
         assert (drafted > 0) == drafts and drafted <= spare - prefilled, (drafted, spare, prefilled)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rate=st.floats(0.0, 1.0), bar=st.floats(0.0, 0.99), k=st.integers(1, 8))
+def test_a_draft_holds_the_rows_whose_chance_beats_the_bar(rate, bar, k):
+    """``rows_that_pay`` against the rule in plain words: row i (from 0) is accepted with chance
+    rate ** (i + 1); keep adding rows while the next one's chance beats the bar; one row at least (the
+    caller already decided the first pays, or probes), k at most; no bar (no measured costs): k."""
+    from ds4serve.scheduler.drafting import rows_that_pay
+
+    rows = 1
+    while rows < k and (bar <= 0.0 or rate ** (rows + 1) > bar):
+        rows += 1
+    got = rows_that_pay(rate, bar, k)
+    # the closed form rounds at the boundary (rate ** L == bar up to float error): off by one there only
+    assert got == rows or abs(rate ** max(got, rows) - bar) < 1e-9 * max(bar, 1e-300), (got, rows)
+
+
+def test_a_requests_rate_is_its_per_token_acceptance():
+    """``record`` estimates the chance that a draft token is accepted once the ones before it were: drafts
+    of 4 that stop after 2 accepted tokens, again and again, converge on 2 / (2 + 1) (two acceptances per
+    rejection), where accepted / drafted (the old average) would read 0.5 and hide that the first rows pay
+    far more than the last."""
+    from ds4serve.scheduler.drafting import record
+    from ds4serve.scheduler.request import Request
+
+    req = Request("r", RequestSpec([1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0)))
+    assert req.draft_rate == 1.0  # no history yet: drafts start whole
+    for _ in range(200):
+        record(req, drafted=4, accepted=2)
+    assert req.draft_rate == pytest.approx(2 / 3)
+    for _ in range(200):
+        record(req, drafted=3, accepted=3)  # every draft accepted whole: no rejection left in the record
+    assert req.draft_rate > 0.999
+    assert (req.drafted_tokens, req.accepted_tokens) == (1400, 1000)

@@ -79,8 +79,12 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served by a prefix-cache hit at first admission
     first_image: int = 0  # images before this index lie under that hit: never sent to the encoder
     prefix: Any = None  # the scheduler's prefix-cache bookkeeping (scheduler.reuse.PrefixState)
-    # speculative decoding (scheduler.drafting): an average of the share of its drafts accepted, and counts
+    # speculative decoding (scheduler.drafting): the chance that a draft token is accepted once the tokens
+    # before it were (``draft_hits / (draft_hits + draft_stops)``, decayed sums of accepted tokens and of
+    # drafts that stopped at a rejection), and counts
     draft_rate: float = 1.0
+    draft_hits: float = 1.0
+    draft_stops: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     draft_skipped: int = 0  # steps its rate did not pay for a draft (scheduler.drafting's probe counts them)
