@@ -16,13 +16,13 @@ Requests whose drafts were accepted most often go first. A request's ``rate`` is
 its draft tokens is accepted once the tokens before it were (decayed counts of its accepted tokens and of
 its drafts that stopped at a rejection; 1 at first, as a new request has no history), so row ``i`` of its
 draft is accepted with chance ``rate ** (i + 1)``, and an n-gram draft holds the rows whose chance beats
-the step's bar (``rows_that_pay``, at least one). A checkpoint drafter's block says more: its survival estimate at each row
-(the confidence product), scaled by what such estimates were worth for the request so far, is the row's
-probability of acceptance, and the step verifies the rows that raise its expected tokens per second,
-best first across requests (``_by_survival``). A request whose rate does not pay drafts a single token
-every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that fell during one stretch
-of text can recover in the next (a checkpoint drafter's probe block, its
-forward spent either way, is verified by its survival estimates like any other block).
+the step's bar (``rows_that_pay``, at least one). A checkpoint drafter's block says more: its survival
+estimate at each row (the confidence product), scaled by what such estimates were worth for the request
+so far, is the row's probability of acceptance, and the step verifies the rows that raise its expected
+tokens per second, best first across requests (``_by_survival``). A request whose rate does not pay
+drafts a single token every ``PROBE_EVERY`` steps (all such requests on the same steps), so a rate that
+fell during one stretch of text can recover in the next (a checkpoint drafter's probe block, its forward
+spent either way, is verified by its survival estimates like any other block).
 
 Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
 (``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
@@ -76,10 +76,10 @@ class DraftPolicy:
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
              draft_cost: float = 0.0, step: int = 0, prefill: int = 0) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows and
-        within the rows that ``prefill`` prompt tokens waiting for this step leave (``scheduler.speculation``), for
-        requests whose acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's
-        observed costs, ``step_costs.StepCosts``; the calibrated forward's by default) and, for a
-        checkpoint drafter, for its ``draft_cost`` seconds a verified draft row. ``step``: the
+        within the rows that ``prefill`` prompt tokens waiting for this step leave
+        (``scheduler.speculation``), for requests whose acceptance rate pays for their rows (``worth`` of
+        ``costs``: the whole step's observed costs, ``step_costs.StepCosts``; the calibrated forward's by
+        default) and, for a checkpoint drafter, for its ``draft_cost`` seconds a verified draft row. ``step``: the
         scheduler's step count; requests below the bar probe together when it is a multiple of
         ``PROBE_EVERY`` (so a checkpoint drafter runs once for all of them, not once a step for one)."""
         spare = limits.prefill_tokens(len(decoders))
