@@ -249,6 +249,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--rounds", type=int, default=3, help="interleaved plain / drafted rounds (the best is kept)")
     sp.add_argument("--speculative-config", default=None, help="the drafts' config (default: n-gram, 5 tokens)")
     sp.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    sp.add_argument("--requests-per-stream", type=int, default=1,
+                    help="prompts each stream sends one after another (1: one batch, timed to its slowest request)")
     gr = bsub.add_parser("grammar", help="per-step cost of grammar-constrained decoding at N concurrent requests")
     gr.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json or model folder (default: bundled)")
     gr.add_argument("--batch", type=int, default=16, help="concurrent constrained requests")
@@ -473,7 +475,8 @@ def _bench(args) -> int:
         from .bench.spec_bench import run as run_spec
 
         run_spec(args.model, [int(x) for x in args.streams.split(",") if x.strip()], args.new_tokens, args.rounds,
-                 json.loads(args.speculative_config) if args.speculative_config else None, args.json)
+                 json.loads(args.speculative_config) if args.speculative_config else None, args.json,
+                 per_stream=args.requests_per_stream)
         return 0
     if args.bench_command == "grammar":
         from .bench.grammar_bench import run as run_grammar

@@ -55,3 +55,31 @@ def test_generate_timed_reports_each_first_token(ckpt_factory):
     elapsed = time.perf_counter() - t
     assert outs == llm.generate(batch, max_tokens=6, ignore_eos=True)
     assert len(times) == 2 and all(0 < first < last < elapsed for first, last in times)
+
+
+def test_a_stream_sends_its_next_prompt_once_the_one_before_finished(ckpt_factory):
+    """``--requests-per-stream``: each stream's prompts run one after another (a request's first token comes
+    after the previous request of its stream gave its last), the streams beside each other, and every
+    output is what ``generate`` gives that prompt."""
+    from ds4serve.bench.spec_bench import _closed_loop
+    from ds4serve.llm import LLM
+
+    _, path = ckpt_factory("A")
+    llm = LLM(path, max_seqs=4, warmup=False)
+    streams = [[[5, 6, 7, 8] * 3, [9, 10, 11] * 2, [12, 13] * 4], [[20, 21, 22] * 3, [23, 24] * 3, [25] * 5]]
+    outs, times = _closed_loop(llm, streams, new_tokens=5)
+    flat = [p for s in streams for p in s]
+    assert outs == llm.generate(flat, max_tokens=5, ignore_eos=True)
+    for s in range(2):
+        mine = times[3 * s:3 * s + 3]
+        assert all(first <= last for first, last in mine)
+        assert all(mine[i][1] < mine[i + 1][0] for i in range(2)), mine  # one request of a stream at a time
+    # the two streams overlap: the second stream's first request starts before the first stream ends
+    assert times[3][0] < times[2][1]
+
+
+def test_the_bench_runs_streams_of_several_prompts(ckpt_factory, capsys):
+    _, path = ckpt_factory("A")
+    rows = run(path, streams=(2,), new_tokens=12, rounds=1, warmup=False, per_stream=3)
+    assert rows[0].identical and rows[0].spec_e2e_tok_s > 0 and rows[0].plain_tok_s > 0
+    assert "3 prompt(s) a stream, one after another" in capsys.readouterr().out

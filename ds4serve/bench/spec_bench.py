@@ -12,7 +12,10 @@ prompt's prefill is the same work in both engines), the end-to-end rates' ratio 
 the drafted and accepted
 tokens, the acceptance at each draft position and the mean acceptance length (tokens committed per
 verify step, the bonus included), and whether the outputs were identical (they must be: verification
-is exact).
+is exact). With ``--requests-per-stream R`` each stream sends R prompts one after another, the next as
+soon as the one before finished, as clients of a server do; with one (the default) a concurrency level
+is one batch, whose end-to-end time is its slowest request's: drafting that lets the others finish early
+gains nothing there, which a server that refills the freed slots does gain.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..engine.sampling import SamplingParams
 from ..llm import LLM
+from ..scheduler.request import Request
+from ..scheduler.spec import RequestSpec
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "ds4v-tiny"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -64,14 +70,52 @@ def prompts(n: int, vocab: int, length: int = 240, phrase: int = 60, seed: int =
     return out
 
 
-def _timed(llm: LLM, batch: list[list[int]], new_tokens: int) -> tuple[tuple[float, float], list[list[int]], Counter]:
-    """``((decode tok/s, end-to-end tok/s), outputs, speculation counters)`` of one greedy batch."""
+def _timed(llm: LLM, streams: list[list[list[int]]], new_tokens: int
+           ) -> tuple[tuple[float, float], list[list[int]], Counter]:
+    """``((decode tok/s, end-to-end tok/s), outputs, speculation counters)`` of greedy closed-loop streams:
+    each stream sends its prompts one after another, the next as soon as the one before it finished
+    (``_closed_loop``). One prompt a stream is one batch whose wall time is its slowest request's; more
+    prompts a stream measure a server that refills the slots early finishers free."""
     before = Counter(llm.core.stats.speculation)
     t = time.perf_counter()
-    outs, times = llm.generate_timed(batch, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs, times = _closed_loop(llm, streams, new_tokens)
     elapsed = time.perf_counter() - t
     decode = sum((new_tokens - 1) / max(last - first, 1e-9) for first, last in times)
-    return (decode, len(batch) * new_tokens / elapsed), outs, Counter(llm.core.stats.speculation) - before
+    return (decode, len(outs) * new_tokens / elapsed), outs, Counter(llm.core.stats.speculation) - before
+
+
+def _closed_loop(llm: LLM, streams: list[list[list[int]]], new_tokens: int
+                 ) -> tuple[list[list[int]], list[tuple[float, float]]]:
+    """Every request's output (streams in order, each stream's prompts in order) and its first and last
+    token times; a stream's next prompt is added in the step after its previous request finished."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    core, todo = llm.core, [list(s) for s in streams]
+    owner: dict[str, tuple[int, int]] = {}  # request id -> (stream, its index in the stream)
+    reqs: dict[tuple[int, int], Request] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+
+    def send(i: int) -> None:
+        if todo[i]:
+            req = core.make_request(RequestSpec(todo[i].pop(0), params))
+            core.add(req)
+            owner[req.request_id] = (i, len(streams[i]) - len(todo[i]) - 1)
+            reqs[owner[req.request_id]] = req
+
+    for i in range(len(streams)):
+        send(i)
+    while core.has_work:
+        for out in core.step():
+            if out.finish_reason == "error":
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.new_token_ids:
+                first.setdefault(out.request_id, time.perf_counter())
+                last[out.request_id] = time.perf_counter()
+            if out.finished:
+                send(owner[out.request_id][0])
+    order = sorted(reqs)
+    return ([list(reqs[k].output_ids) for k in order],
+            [(first[reqs[k].request_id], last[reqs[k].request_id]) for k in order])
 
 
 def _row(c: int, plain: list[tuple[float, float]], spec: list[tuple[float, float]], figures: Counter,
@@ -86,15 +130,17 @@ def _row(c: int, plain: list[tuple[float, float]], spec: list[tuple[float, float
 
 
 def measure(model: Path, streams: Sequence[int], new_tokens: int, rounds: int, speculative: dict,
-            **settings) -> list[SpecRow]:
-    """The figures per concurrency (see the module docstring); ``settings`` go to both engines."""
+            per_stream: int = 1, **settings) -> list[SpecRow]:
+    """The figures per concurrency (see the module docstring); ``per_stream``: prompts each stream sends
+    one after another (``_timed``); ``settings`` go to both engines."""
     max_seqs = max(streams)
     plain = LLM(model, max_seqs=max_seqs, **settings)
     spec = LLM(model, max_seqs=max_seqs, speculative=json.dumps(speculative), **settings)
     vocab = plain.core.cfg.vocab_size
     rows = []
     for c in streams:
-        batch = prompts(c, vocab)
+        every = prompts(c * per_stream, vocab)
+        batch = [every[i::c] for i in range(c)]
         rates: dict[str, list[tuple[float, float]]] = {"plain": [], "spec": []}
         figures, identical = Counter(), True
         for _ in range(rounds):
@@ -108,10 +154,11 @@ def measure(model: Path, streams: Sequence[int], new_tokens: int, rounds: int, s
     return rows
 
 
-def render(rows: Sequence[SpecRow], speculative: dict) -> str:
+def render(rows: Sequence[SpecRow], speculative: dict, per_stream: int = 1) -> str:
     lines = [f"speculative decoding: {json.dumps(speculative)} (greedy; tok/s: the best round, ratios: the median "
              "of the rounds' pairs; decode tok/s: each "
-             "request's tokens after its first over the time after it, summed; end to end: prefill included)",
+             "request's tokens after its first over the time after it, summed; end to end: prefill included; "
+             f"{per_stream} prompt(s) a stream, one after another)",
              "| streams | plain decode tok/s | drafts decode tok/s | ratio | end-to-end ratio | drafted | accepted "
              "| mean acceptance length | acceptance by position | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -124,10 +171,11 @@ def render(rows: Sequence[SpecRow], speculative: dict) -> str:
 
 
 def run(model: Path | None = None, streams: Sequence[int] = (1, 4, 16), new_tokens: int = 128, rounds: int = 3,
-        speculative: dict | None = None, json_path: Path | None = None, **settings) -> list[SpecRow]:
+        speculative: dict | None = None, json_path: Path | None = None, per_stream: int = 1,
+        **settings) -> list[SpecRow]:
     spec = speculative or NGRAM
-    rows = measure(model or TINY, streams, new_tokens, rounds, spec, **settings)
-    print(render(rows, spec))
+    rows = measure(model or TINY, streams, new_tokens, rounds, spec, per_stream, **settings)
+    print(render(rows, spec, per_stream))
     if json_path is not None:
         Path(json_path).write_text(json.dumps([asdict(r) | {"mean_acceptance_length": r.mean_acceptance_length}
                                                for r in rows], indent=2))
