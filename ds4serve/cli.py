@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -249,8 +250,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--rounds", type=int, default=3, help="interleaved plain / drafted rounds (the best is kept)")
     sp.add_argument("--speculative-config", default=None, help="the drafts' config (default: n-gram, 5 tokens)")
     sp.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
-    sp.add_argument("--requests-per-stream", type=int, default=1,
-                    help="prompts each stream sends one after another (1: one batch, timed to its slowest request)")
+    sp.add_argument("--requests-per-stream", type=int, default=1, help="prompts each stream sends one by one")
     gr = bsub.add_parser("grammar", help="per-step cost of grammar-constrained decoding at N concurrent requests")
     gr.add_argument("--tokenizer", type=Path, default=None, help="a tokenizer.json or model folder (default: bundled)")
     gr.add_argument("--batch", type=int, default=16, help="concurrent constrained requests")
@@ -470,8 +470,6 @@ def _bench(args) -> int:
         run_images(args.model, step_tokens=args.step_tokens, threads=args.threads, rounds=args.rounds)
         return 0
     if args.bench_command == "spec":
-        import json
-
         from .bench.spec_bench import run as run_spec
 
         run_spec(args.model, [int(x) for x in args.streams.split(",") if x.strip()], args.new_tokens, args.rounds,
