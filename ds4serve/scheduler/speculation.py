@@ -4,10 +4,12 @@ does next (``drafting.DraftPolicy`` decides; this asks it with the step's figure
 Drafts take only the rows the step's prefill leaves. The cost rule (``step_costs``) times decode-only
 steps, where a draft row competes with the other decode rows alone; beside a prompt that is still
 prefilling, a draft row displaces a prompt token instead, and that delays the prompt's whole answer (its
-first token and every token after it), a cost no decode-step fit sees. Measured before this rule (bundled
-model, 16 streams of n-gram drafts, all prompts arriving at once): decode 0.98x but end to end 0.84x of
-plain decoding. A binary rule (no drafts while any prompt prefills) was tried before and starves drafting
-where prompts are short and slots turn over fast; the rows left over beside small prompts are free.
+first token and every token after it), a cost no decode-step fit sees (a Zen 4 measured 16 streams of
+n-gram drafts on the bundled model, all prompts arriving at once, at 0.98x decode but 0.84x end to end;
+on an Intel Xeon the same bench lost 0.93x end to end with or without this rule, and the loss there was
+the drafts' later rows: ``drafting.rows_that_pay``). A binary rule (no drafts while any prompt
+prefills) was tried before and starves drafting where prompts are short and slots turn over fast; the
+rows left over beside small prompts are free.
 
 A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes``, ``_lane``,
 ``_images`` and step count).
