@@ -75,15 +75,17 @@ class LLM:
         return [(list(r.output_ids), list(r.output_logprobs)) for r in self._run(prompts, params)]
 
     def generate_timed(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0,
-                       seed: int | None = None, **sampling) -> tuple[list[list[int]], list[tuple[float, float]]]:
+                       seed: int | None = None, stream_of: Sequence[int] | None = None,
+                       **sampling) -> tuple[list[list[int]], list[tuple[float, float]]]:
         """``generate``, and for each prompt the seconds from the call to its first and to its last token:
         what a bench needs to tell a request's decode rate (the tokens after the first over the time
-        after it) from its prefill."""
+        after it) from its prefill. ``stream_of``: prompt ``i`` belongs to client stream ``stream_of[i]``,
+        whose prompts run one after another (``_run``); None: every prompt at once."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, **sampling)
         firsts: dict[str, float] = {}
         lasts: dict[str, float] = {}
         t0 = time.perf_counter()
-        reqs = self._run(prompts, params, token_times=(firsts, lasts))
+        reqs = self._run(prompts, params, token_times=(firsts, lasts), stream_of=stream_of)
         return [list(r.output_ids) for r in reqs], [(firsts[r.request_id] - t0, lasts[r.request_id] - t0) for r in reqs]
 
     def score_prompts(self, prompts: Sequence[Sequence[int]], top: int = 0, max_tokens: int = 0,
@@ -97,10 +99,12 @@ class LLM:
         return [list(outs[r.request_id]) for r in reqs]
 
     def _run(self, prompts: Sequence[Sequence[int]], params: SamplingParams, prompt_lps: dict | None = None,
-             token_times: tuple[dict, dict] | None = None) -> list:
+             token_times: tuple[dict, dict] | None = None, stream_of: Sequence[int] | None = None) -> list:
         """Submit every prompt and step the engine until all finish; a failed request raises. ``prompt_lps``
         collects each request's prompt logprobs (they ride on its first output); ``token_times`` the
-        ``perf_counter`` time each request's first and last tokens came out."""
+        ``perf_counter`` time each request's first and last tokens came out; ``stream_of`` each prompt's
+        client stream: a prompt is sent once the one before it in its stream finished, as a closed-loop
+        client sends (None: all at once)."""
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -110,7 +114,15 @@ class LLM:
             if problem:
                 raise RequestTooLarge(f"prompt {i}: {problem}")
         reqs = [self.core.make_request(spec) for spec in specs]
-        todo = deque(reqs)
+        stream = {r.request_id: i if stream_of is None else stream_of[i] for i, r in enumerate(reqs)}
+        held: dict[int, deque] = {}  # each stream's prompts after its first, sent as the one before finishes
+        todo: deque = deque()
+        for r in reqs:
+            if stream[r.request_id] in held:
+                held[stream[r.request_id]].append(r)
+            else:
+                held[stream[r.request_id]] = deque()
+                todo.append(r)
         while todo or self.core.has_work:
             while todo:
                 try:
@@ -126,6 +138,8 @@ class LLM:
                     token_times[1][out.request_id] = time.perf_counter()
                 if out.prompt_logprobs is not None and prompt_lps is not None:
                     prompt_lps[out.request_id] = out.prompt_logprobs
+                if out.finished and held[stream[out.request_id]]:
+                    todo.append(held[stream[out.request_id]].popleft())
         return reqs
 
     def prompt_logits(self, ids: Sequence[int], engine: bool = False) -> torch.Tensor:

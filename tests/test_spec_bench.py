@@ -61,14 +61,13 @@ def test_a_stream_sends_its_next_prompt_once_the_one_before_finished(ckpt_factor
     """``--requests-per-stream``: each stream's prompts run one after another (a request's first token comes
     after the previous request of its stream gave its last), the streams beside each other, and every
     output is what ``generate`` gives that prompt."""
-    from ds4serve.bench.spec_bench import _closed_loop
     from ds4serve.llm import LLM
 
     _, path = ckpt_factory("A")
     llm = LLM(path, max_seqs=4, warmup=False)
     streams = [[[5, 6, 7, 8] * 3, [9, 10, 11] * 2, [12, 13] * 4], [[20, 21, 22] * 3, [23, 24] * 3, [25] * 5]]
-    outs, times = _closed_loop(llm, streams, new_tokens=5)
     flat = [p for s in streams for p in s]
+    outs, times = llm.generate_timed(flat, max_tokens=5, ignore_eos=True, stream_of=[0, 0, 0, 1, 1, 1])
     assert outs == llm.generate(flat, max_tokens=5, ignore_eos=True)
     for s in range(2):
         mine = times[3 * s:3 * s + 3]

@@ -29,10 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine.sampling import SamplingParams
 from ..llm import LLM
-from ..scheduler.request import Request
-from ..scheduler.spec import RequestSpec
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "ds4v-tiny"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -74,48 +71,16 @@ def _timed(llm: LLM, streams: list[list[list[int]]], new_tokens: int
            ) -> tuple[tuple[float, float], list[list[int]], Counter]:
     """``((decode tok/s, end-to-end tok/s), outputs, speculation counters)`` of greedy closed-loop streams:
     each stream sends its prompts one after another, the next as soon as the one before it finished
-    (``_closed_loop``). One prompt a stream is one batch whose wall time is its slowest request's; more
-    prompts a stream measure a server that refills the slots early finishers free."""
+    (``LLM.generate_timed``'s ``stream_of``). One prompt a stream is one batch whose wall time is its
+    slowest request's; more prompts a stream measure a server that refills the slots early finishers free."""
     before = Counter(llm.core.stats.speculation)
+    flat = [p for s in streams for p in s]
     t = time.perf_counter()
-    outs, times = _closed_loop(llm, streams, new_tokens)
+    outs, times = llm.generate_timed(flat, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                     stream_of=[i for i, s in enumerate(streams) for _ in s])
     elapsed = time.perf_counter() - t
     decode = sum((new_tokens - 1) / max(last - first, 1e-9) for first, last in times)
     return (decode, len(outs) * new_tokens / elapsed), outs, Counter(llm.core.stats.speculation) - before
-
-
-def _closed_loop(llm: LLM, streams: list[list[list[int]]], new_tokens: int
-                 ) -> tuple[list[list[int]], list[tuple[float, float]]]:
-    """Every request's output (streams in order, each stream's prompts in order) and its first and last
-    token times; a stream's next prompt is added in the step after its previous request finished."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    core, todo = llm.core, [list(s) for s in streams]
-    owner: dict[str, tuple[int, int]] = {}  # request id -> (stream, its index in the stream)
-    reqs: dict[tuple[int, int], Request] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-
-    def send(i: int) -> None:
-        if todo[i]:
-            req = core.make_request(RequestSpec(todo[i].pop(0), params))
-            core.add(req)
-            owner[req.request_id] = (i, len(streams[i]) - len(todo[i]) - 1)
-            reqs[owner[req.request_id]] = req
-
-    for i in range(len(streams)):
-        send(i)
-    while core.has_work:
-        for out in core.step():
-            if out.finish_reason == "error":
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            if out.new_token_ids:
-                first.setdefault(out.request_id, time.perf_counter())
-                last[out.request_id] = time.perf_counter()
-            if out.finished:
-                send(owner[out.request_id][0])
-    order = sorted(reqs)
-    return ([list(reqs[k].output_ids) for k in order],
-            [(first[reqs[k].request_id], last[reqs[k].request_id]) for k in order])
 
 
 def _row(c: int, plain: list[tuple[float, float]], spec: list[tuple[float, float]], figures: Counter,

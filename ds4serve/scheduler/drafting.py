@@ -37,7 +37,7 @@ import functools
 import heapq
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..engine.drafted import draftable
@@ -74,16 +74,18 @@ class DraftPolicy:
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
-             draft_cost: float = 0.0, step: int = 0, prefill: int = 0) -> dict[str, tuple[int, ...]]:
+             draft_cost: float = 0.0, step: int = 0, prefill: Callable[[], int] | None = None
+             ) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows and
-        within the rows that ``prefill`` prompt tokens waiting for this step leave
-        (``scheduler.speculation``), for requests whose acceptance rate pays for their rows (``worth`` of
-        ``costs``: the whole step's observed costs, ``step_costs.StepCosts``; the calibrated forward's by
-        default) and, for a checkpoint drafter, for its ``draft_cost`` seconds a verified draft row. ``step``: the
-        scheduler's step count; requests below the bar probe together when it is a multiple of
-        ``PROBE_EVERY`` (so a checkpoint drafter runs once for all of them, not once a step for one)."""
+        within the rows that the ``prefill()`` prompt tokens waiting for this step leave
+        (``scheduler.speculation``; asked only once a draft could be planned), for requests whose
+        acceptance rate pays for their rows (``worth`` of ``costs``: the whole step's observed costs,
+        ``step_costs.StepCosts``; the calibrated forward's by default) and, for a checkpoint drafter, for
+        its ``draft_cost`` seconds a verified draft row. ``step``: the scheduler's step count; requests
+        below the bar probe together when it is a multiple of ``PROBE_EVERY`` (so a checkpoint drafter
+        runs once for all of them, not once a step for one)."""
         spare = limits.prefill_tokens(len(decoders))
-        budget = min(int(spare * self.share), spare - prefill)
+        budget = int(spare * self.share)
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
         surviving: list[Request] = []  # model blocks whose length the survival estimate decides (below)
@@ -94,6 +96,8 @@ class DraftPolicy:
             for req in decoders:
                 req.draft_skipped += 1
             return out
+        if prefill is not None:
+            budget = min(budget, spare - prefill())
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break

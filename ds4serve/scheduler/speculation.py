@@ -35,7 +35,7 @@ class Speculation:
         if self.drafting is None or not decoders or self.step_costs.baseline(len(decoders), self._schedules):
             return {}
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
-                                  self._schedules, prefill=self._prefill_demand(lane))
+                                  self._schedules, prefill=lambda: self._prefill_demand(lane))
 
     def _prefill_demand(self, lane: int | None) -> int:
         """Prompt tokens ``lane`` could prefill this step: the passes in flight, and each prefilling request's
