@@ -152,7 +152,10 @@ def test_ngram_drafts_commit_what_plain_decoding_commits(n_prompts, mode, llm_fa
     plain = llm_factory("A", max_seqs=16, host_kernels=host_kernels)
     # warm-up off: no measured step costs, so the token budget alone decides who drafts (the cost rule,
     # tested below, may turn drafting off on a build or a machine where draft rows are dear)
-    spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM, warmup=False)
+    # a step budget wide enough that drafts fit beside the staggered prompts' prefill (drafts take only the
+    # rows waiting prompts leave), so verify rows past the first are exercised in every mode
+    spec = llm_factory("A", max_seqs=16, host_kernels=host_kernels, speculative=NGRAM, warmup=False,
+                       step_tokens=512)
     outs = {}
     for name, llm in (("plain", plain), ("spec", spec)):
         reqs = [llm.core.make_request(RequestSpec(p, q)) for p, q in zip(prompts, params)]
@@ -310,3 +313,19 @@ def test_a_requests_rate_is_its_per_token_acceptance():
         record(req, drafted=3, accepted=3)  # every draft accepted whole: no rejection left in the record
     assert req.draft_rate > 0.999
     assert (req.drafted_tokens, req.accepted_tokens) == (1400, 1000)
+
+
+def test_each_verify_row_sees_the_draft_before_it():
+    """``row_states``, against its definition: row i of a decoder with a draft is sampled as plain decoding
+    samples output index len(output) + i, so its history is the output plus the draft's first i tokens
+    (penalties, ``min_tokens`` bans and the seeded draw are keyed by it), and every row shares the base
+    seed. (The engine-level equality tests catch a wrong history only when a penalty or a seeded draw
+    happens to turn on it.)"""
+    from ds4serve.engine.drafted import row_states
+
+    params = SamplingParams(max_tokens=20, temperature=0.7, seed=3, repetition_penalty=1.1)
+    state = SamplerState(params, [1, 2, 3], [4, 5])
+    rows = row_states(state, (7, 8, 9), torch.device("cpu"))
+    assert [list(r.output_ids) for r in rows] == [[4, 5], [4, 5, 7], [4, 5, 7, 8], [4, 5, 7, 8, 9]]
+    assert state.base_seed is not None and all(r.base_seed == state.base_seed for r in rows)
+    assert row_states(state, (), torch.device("cpu")) == [state]
