@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -148,12 +149,22 @@ def _held(eng: EngineLoop) -> tuple[threading.Event, threading.Thread]:
     return release, t
 
 
+class _PacedEngine(FakeEngine):
+    """``FakeEngine`` at a human pace: no request of the burst below can finish while it is counted."""
+
+    def step(self, plan):
+        time.sleep(0.002)
+        return super().step(plan)
+
+
 @pytest.mark.parametrize("max_seqs,max_queue", [(2, 3), (1, 1), (3, 1)])
 def test_a_burst_of_exactly_the_cap_is_admitted_and_the_next_refused(max_seqs: int, max_queue: int) -> None:
     """``max_seqs + max_queue`` requests arrive while the engine is between steps (a burst, all seen
     in one drain): every one is accepted. One more is refused at once with QueueFull, before the
     engine thread sees it; once the burst is admitted, another is still refused by the scheduler."""
-    core = make_core(max_seqs=max_seqs, max_queue=max_queue, max_model_len=4096)
+    # a paced fake engine (2 ms a step): the plain one runs a step in microseconds, and a 3,000-token
+    # answer sometimes finished between the burst's admission and the count below (3 of 5, 1 of 2 in flight)
+    core = make_core(engine=_PacedEngine, max_seqs=max_seqs, max_queue=max_queue, max_model_len=4096)
     eng = EngineLoop(core).start()
     cap = max_seqs + max_queue
     params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
