@@ -160,25 +160,36 @@ static inline f16x p16_step(f16x acc, u16x x, u16x w) {  /* the inputs are flush
 #define P16_NR1 4
 #endif
 
+/* 64 bytes from anywhere, as a vector load. Why not memcpy into the vector: GCC 12 then copied each
+   weight vector through the stack in two 32-byte halves that the 64-byte load could not forward from
+   (~20 cycles a weight vector) and kept the 24 accumulators' copies in memory, stored every pass: the
+   8-row tile ran at ~12% of the instruction's peak. Fully unrolled loops keep every vector in a register. */
+typedef uint32_t u16x_any __attribute__((vector_size(64), aligned(1), may_alias));
+static inline u16x p16_load(const void *p) { return *(const u16x_any *)p; }
+#ifndef P16_AHEAD
+#define P16_AHEAD next_tile  /* b16_tile's rule (B16_AHEAD): 1.19x at 8 rows, 1.08x at one, over 2 KB ahead */
+#endif
+#define P16_UNROLL _Pragma("GCC unroll 16")
+
 #define P16_TILE(MR, NR)                                                                                        \
     static void p16_tile_##MR##_##NR(const uint16_t *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ld,   \
                                      int nr, float *y, int64_t ldy) {                                          \
         f16x acc[MR][NR];                                                                                       \
         const uint8_t *row[NR];                                                                                 \
+        const int64_t next_tile = (int64_t)NR * ld * 2; /* bytes from a row to the next tile's */              \
         for (int j = 0; j < NR; j++) row[j] = w + (j < nr ? j : nr - 1) * ld * 2;                              \
         for (int i = 0; i < MR; i++)                                                                            \
             for (int j = 0; j < NR; j++) acc[i][j] = (f16x){};                                                  \
         int64_t kv = K - K % 32;                                                                                \
         for (int64_t k = 0; k < kv; k += 32) {                                                                  \
             u16x b[NR];                                                                                         \
-            for (int j = 0; j < NR; j++) {                                                                      \
-                if (B16_PF) __builtin_prefetch(row[j] + 2 * k + B16_PF, 0, B16_PF_LOC);                         \
-                memcpy(&b[j], row[j] + 2 * k, sizeof b[j]);                                                     \
+            P16_UNROLL for (int j = 0; j < NR; j++) {                                                           \
+                if (B16_PF) __builtin_prefetch(row[j] + 2 * k + P16_AHEAD, 0, B16_PF_LOC);                      \
+                b[j] = p16_load(row[j] + 2 * k);                                                                \
             }                                                                                                   \
-            for (int i = 0; i < MR; i++) {                                                                      \
-                u16x a;                                                                                         \
-                memcpy(&a, x + i * ldx + k, sizeof a);                                                          \
-                for (int j = 0; j < NR; j++) acc[i][j] = p16_step(acc[i][j], a, b[j]);                          \
+            P16_UNROLL for (int i = 0; i < MR; i++) {                                                           \
+                u16x a = p16_load(x + i * ldx + k);                                                             \
+                P16_UNROLL for (int j = 0; j < NR; j++) acc[i][j] = p16_step(acc[i][j], a, b[j]);               \
             }                                                                                                   \
         }                                                                                                       \
         for (int i = 0; i < MR; i++)                                                                            \

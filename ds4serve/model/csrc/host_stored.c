@@ -23,7 +23,7 @@
    17-32 rows ran 1.2-1.5x faster streamed, 48+ faster decoded. The bf16 LM head stays [N, K] as loaded
    (1 GB at DS4's 129,280 x 4096; only the rows that need logits run it) and adds like nk_tile: lanes
    along k, then the lane sum, then the scalar tail, in tiles of up to 8 rows x 3 outputs (AVX-512) that
-   prefetch B16_PF bytes ahead in each row (8 rows: 1.3x, one row 1.1x, CPU time, scripts/bench_stored.py).
+   prefetch the next tile's rows (B16_AHEAD).
 
    Decoding FP8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits): the code's low 7 bits
    shifted to the top of an fp32 exponent/mantissa field give the value times 2^-120 exactly (normal
@@ -529,24 +529,34 @@ static void f8_blocks(void *c, int64_t lo, int64_t hi) {
    GCC kept them on the stack, ~45 GFLOP per CPU-second at 4 rows, and at 8 rows each head row was read
    twice. nr < NR: a short block repeats its last row and stores nr outputs. */
 #ifndef B16_PF
-#define B16_PF 2048  /* bytes ahead (1024: 1.20x, 2048: 1.30x, 4096: 1.02x at 8 rows, CPU time, vs none) */
+#define B16_PF 1  /* prefetch the weights ahead (0: leave it to the hardware, to compare) */
 #endif
 #ifndef B16_PF_LOC
 #define B16_PF_LOC 1  /* to L2: 1.25-1.5x at 1-2 rows, 1.06x at 8, against L1 (scripts/bench_stored.py, Zen 5) */
+#endif
+/* How far ahead: each row's counterpart in the next tile (NR rows on), at the same offset, so a tile's
+   rows are in L2 when it starts. A tile reads NR whole rows, back to back in memory; prefetching 2 KB
+   ahead in each row (as before: 1.30x at 8 rows against none, Zen 5) reached only the next tile's first
+   row, and every tile began with NR - 1 rows missing to DRAM. One tile ahead, on an Intel Xeon (AVX-512,
+   2 threads, the 129,280 x 4096 head): 1.10x at one row, 1.16x at 4, 1.28x at 8; the AVX2 build
+   (-march=znver3) there 1.10x / 1.18x / 1.19x (scripts/bench_stored.py --head). */
+#ifndef B16_AHEAD
+#define B16_AHEAD next_tile
 #endif
 #define B16_TILE(MR, NR)                                                                                    \
     static void b16_tile_##MR##_##NR(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int64_t ld, int nr,   \
                               float *y, int64_t ldy) {                                                      \
         vf acc[MR][NR];                                                                                 \
         const uint8_t *row[NR];                                                                         \
+        const int64_t next_tile = (int64_t)NR * ld * 2; /* bytes from a row to the next tile's */      \
         for (int j = 0; j < NR; j++) row[j] = w + (j < nr ? j : nr - 1) * ld * 2;                      \
         for (int i = 0; i < MR; i++)                                                                        \
             for (int j = 0; j < NR; j++) acc[i][j] = (vf){};                                            \
         int64_t kv = K - K % VW, k = 0;                                                                     \
         for (; k < kv; k += VW) {                                                                           \
             vf b[NR];                                                                                   \
-            if (B16_PF && (k & 31) == 0) /* B16_PF bytes ahead in each row, a line at a time */            \
-                for (int j = 0; j < NR; j++) __builtin_prefetch(row[j] + 2 * k + B16_PF, 0, B16_PF_LOC); \
+            if (B16_PF && (k & 31) == 0) /* the next tile's rows, a line at a time */                     \
+                for (int j = 0; j < NR; j++) __builtin_prefetch(row[j] + 2 * k + B16_AHEAD, 0, B16_PF_LOC); \
             for (int j = 0; j < NR; j++) b[j] = bf16_vec(row[j] + 2 * k);                               \
             for (int i = 0; i < MR; i++) {                                                                  \
                 vf a = vload(x + i * ldx + k);                                                              \
