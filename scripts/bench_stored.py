@@ -52,14 +52,29 @@ def build(csrc: Path, march: str, out: Path, defines: list[str] = ()) -> ctypes.
     return lib
 
 
-def fp8_weight(k: int, n: int, seed: int) -> tuple[_Weight, list[torch.Tensor], int]:
-    """Random finite e4m3 codes stored [K, N] and power-of-two block scales [N / 128, K / 128]."""
+def fp8_weight(k: int, n: int, seed: int, codes: str = "checkpoint") -> tuple[_Weight, list[torch.Tensor], int]:
+    """e4m3 codes stored [K, N] and power-of-two block scales [N / 128, K / 128].
+
+    codes "checkpoint": N(0, 0.02) weights quantised as a checkpoint is (make_wide_ckpt.py: per 128 x 128
+    block the smallest power-of-two scale with |w| / s <= 448, nearest e4m3), so subnormal codes are as
+    rare as in a real one (~1e-4). "uniform": every finite code equally likely (~3% subnormal). Why it
+    matters: an Intel core takes a microcode assist for a subnormal input to a multiply-add (AMD's do
+    not), so uniform codes ran the 8-row product ~25x slower there, and even checkpoint-like ones cost
+    ~1.2x against none."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (k, n), generator=g, dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0x3F  # no NaN codes (refused at load)
-    scales = torch.exp2(torch.randint(-12, -6, (n // BLOCK, k // BLOCK), generator=g).float())
-    w = _Weight(None, n, 1, 1, codes.data_ptr(), scales.data_ptr(), BLOCK, BLOCK, scales.shape[1], scales.shape[0])
-    return w, [codes, scales], codes.numel() + scales.numel() * 4
+    if codes == "uniform":
+        q = torch.randint(0, 256, (k, n), generator=g, dtype=torch.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x3F  # no NaN codes (refused at load)
+        scales = torch.exp2(torch.randint(-12, -6, (n // BLOCK, k // BLOCK), generator=g).float())
+    else:
+        w = torch.randn(n, k, generator=g) * 0.02
+        amax = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax(dim=(1, 3))
+        scales = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+        full = scales.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        q = (w / full).to(torch.float8_e4m3fn).view(torch.uint8).t()
+    q, scales = q.contiguous(), scales.contiguous()
+    w = _Weight(None, n, 1, 1, q.data_ptr(), scales.data_ptr(), BLOCK, BLOCK, scales.shape[1], scales.shape[0])
+    return w, [q, scales], q.numel() + scales.numel() * 4
 
 
 def bf16_weight(k: int, n: int, seed: int, fmt: int = 2) -> tuple[_Weight, list[torch.Tensor], int]:
@@ -95,6 +110,8 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, nargs="*", default=[1024, 4096, 16384, 32768], help="N of the FP8 products")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 512])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--codes", choices=["checkpoint", "uniform"], default="checkpoint",
+                    help="FP8 codes as a quantised checkpoint has them (default) or uniformly random (fp8_weight)")
     ap.add_argument("--head", action="store_true", help="also the bf16 head (129,280 x K), rows <= 16")
     ap.add_argument("--head-pairs", action="store_true", help="also the bf16 head on bf16-rounded rows (fmt 3)")
     ap.add_argument("--pairs", type=int, default=3, help="old/new alternations per case")
@@ -112,7 +129,7 @@ def main() -> None:
              + ([("bf16x", HEAD)] if a.head_pairs else []))
     ratios = []
     for kind, n in cases:
-        w, keep, nbytes = (fp8_weight(a.k, n, seed=n) if kind == "fp8" else
+        w, keep, nbytes = (fp8_weight(a.k, n, seed=n, codes=a.codes) if kind == "fp8" else
                            bf16_weight(a.k, n, seed=n, fmt=3 if kind == "bf16x" else 2))
         for m in a.rows:
             if 2.0 * m * a.k * n > a.max_flop or (kind != "fp8" and m > 16):

@@ -360,7 +360,12 @@ F8_ROWS(2)
 
 /* MR rows over a panel of nv vectors from column n0 (fewer rows: f8_rows): FMA-bound, so the multiply
    of the decode is folded away where it may be (f8_foldable; it also skips the multiply's slow subnormal
-   inputs: vmulps on them cost this CPU ~2x at 8 rows) */
+   inputs: vmulps on them cost this CPU ~2x at 8 rows). A subnormal code (exponent 0) still decodes to a
+   subnormal fp32 here, and an Intel core takes a microcode assist for each multiply-add it feeds (AMD's
+   do not): with a checkpoint's ~1e-4 of such codes the 8-row product runs ~1.2x slower on an Intel Xeon
+   than with none (scripts/bench_stored.py, 2026-12-06). Every decode that keeps them normal (the F16C
+   route, or a masked fix-up of exponent-0 lanes) costs AMD one or two more instructions a vector in an
+   FMA-bound loop, so it is left as is. */
 #define F8_MSTEP_X(MR, NV) F8_MSTEP(MR, NV) /* NV expanded first: the names carry F8_MNV's value */
 #if F8_MNV != 1
 #define F8_MSTEPS(MR) F8_MSTEP_X(MR, F8_MNV) F8_MSTEP(MR, 1)
