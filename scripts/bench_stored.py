@@ -59,7 +59,7 @@ def fp8_weight(k: int, n: int, seed: int, codes: str = "checkpoint") -> tuple[_W
     block the smallest power-of-two scale with |w| / s <= 448, nearest e4m3), so subnormal codes are as
     rare as in a real one (~1e-4). "uniform": every finite code equally likely (~3% subnormal). Why it
     matters: an Intel core takes a microcode assist for a subnormal input to a multiply-add (AMD's do
-    not), so uniform codes ran the 8-row product ~25x slower there, and even checkpoint-like ones cost
+    not), so uniform codes ran the 8-row product ~59x slower there, and even checkpoint-like ones cost
     ~1.2x against none."""
     g = torch.Generator().manual_seed(seed)
     if codes == "uniform":
