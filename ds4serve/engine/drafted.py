@@ -12,9 +12,9 @@ target's own token at row ``j``: the correction where ``d_{j+1}`` was rejected, 
   drafts in the coupling ``settle`` describes, which commits plain decoding's own draws.
 
 Each row is processed with the history it has in plain decoding (penalties and ``min_tokens`` bans see
-``output + d_1 .. d_i``, and its draw is keyed by output index ``k0 + i``: ``row_states``). Which requests may draft (``draftable``): not one
-with a grammar (its matcher would have to follow the draft and roll back: not yet) or a reasoning budget
-(enforced through a grammar).
+``output + d_1 .. d_i``, and its draw is keyed by output index ``k0 + i``: ``row_states``); a grammar's
+mask for row ``i`` comes from the request's matcher advanced through ``d_1 .. d_i`` and rolled back after
+(``constraints.constrain``), so grammars and reasoning budgets draft too.
 """
 
 from __future__ import annotations
@@ -25,12 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import Draw, SamplerState
-
-
-def draftable(sampler: SamplerState) -> bool:
-    """Every row of a draft can be verified by ``spec_verify`` from the raw logits and the history (see the
-    module docstring): no grammar, no reasoning budget."""
-    return sampler.constraint is None and sampler.params.max_reasoning_tokens is None
 
 
 @dataclass(frozen=True)
@@ -94,4 +88,5 @@ def row_states(state: SamplerState, draft: tuple[int, ...], device: torch.device
     if draft and not state.params.greedy and state.base_seed is None:
         state.rng(device)
     return [state] + [SamplerState(state.params, state.prompt_ids, _Extended(state.output_ids, draft[:i]),
-                                   state.eos_ids, base_seed=state.base_seed) for i in range(1, len(draft) + 1)]
+                                   state.eos_ids, base_seed=state.base_seed, constraint=state.constraint, drafted=i)
+                      for i in range(1, len(draft) + 1)]

@@ -28,8 +28,9 @@ from ..model import BatchView, DS4ForCausalLM
 from ..model.decoder import RopeTables
 from ..model.host_forward import HostForward, description as host_build
 from .capture import CapturePlan
+from .constraints import constrain
 from .decode_graphs import DecodeRunner, resolve_mode
-from .drafted import Verified, draftable, row_states, settle
+from .drafted import Verified, row_states, settle
 from .model_drafts import Ask, Fed, ModelDrafts
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
@@ -265,7 +266,7 @@ class Executor:
         position = {f.slot: f.start + kept.get(f.slot, len(f.ids)) for f in fed.entries}
         asks = [Ask(o.request_id, o.slot, ok[o.slot].token, position[o.slot], o.sampler,
                     len(o.sampler.output_ids) + 1 + len(ok[o.slot].accepted))  # its block's first output index
-                for o in owners if o.propose and o.slot in ok and o.slot in position and draftable(o.sampler)]
+                for o in owners if o.propose and o.slot in ok and o.slot in position]
         t0 = time.perf_counter()
         proposals = self.drafts.propose(asks)
         spent = time.perf_counter() - t0
@@ -449,8 +450,12 @@ class Executor:
         """A model drafter's blocks: exact rejection sampling against the ``q`` each was drawn from
         (``spec_verify.verify_rows``; greedy requests: plain greedy decoding's tokens), every row once."""
         drafts = [self.drafts.take(o.slot, o.position, o.draft) if o.draft else Draft() for o in owners]
+        mask = None  # a grammar's rows: its matcher advanced through the draft (``constraints.constrain``)
+        if any(o.sampler.constraint is not None for o in owners):
+            rstates = [s for o in owners for s in row_states(o.sampler, o.draft, logits.device)]
+            mask = torch.isfinite(constrain(torch.zeros_like(logits), rstates))
         out = []
-        for o, v in zip(owners, verify_rows(logits, [o.sampler for o in owners], drafts)):
+        for o, v in zip(owners, verify_rows(logits, [o.sampler for o in owners], drafts, mask)):
             if not v.ok:
                 out.append(SampledToken(o.request_id, o.slot, -1, status=RowStatus.FAILED, error=v.error))
                 log.error("request %s (slot %d): %s", o.request_id, o.slot, v.error)

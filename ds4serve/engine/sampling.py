@@ -121,6 +121,9 @@ class SamplerState:
     base_seed: int | None = field(default=None, repr=False)  # the seed, or one drawn once per request
     # grammar state (constraints.Constraint, e.g. chat.grammar_runtime.RequestMatcher) or None: free
     constraint: Any = field(default=None, repr=False)
+    # a draft row's state (``drafted.row_states``): the last ``drafted`` of ``output_ids`` are draft tokens
+    # under verification, not committed output (a grammar may refuse them: that row is then never read)
+    drafted: int = 0
 
     def rng(self, device: torch.device) -> torch.Generator:
         """The generator for the next output token (re-seeded for token ``len(output_ids)``)."""

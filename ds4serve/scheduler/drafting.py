@@ -24,10 +24,10 @@ drafts a single token every ``PROBE_EVERY`` steps (all such requests on the same
 fell during one stretch of text can recover in the next (a checkpoint drafter's probe block, its forward
 spent either way, is verified by its survival estimates like any other block).
 
-Only requests whose next-token distribution the verifier can rebuild for every draft row take drafts
-(``engine.drafted.draftable``): no grammar and no reasoning budget (a matcher would have to follow the
-draft); penalties and ``min_tokens`` bans are rebuilt per row from the history. Their drafts are verified exactly
-(``engine.drafted``); everybody else decodes normally beside them. A draft never holds an image sentinel
+Every decoder may draft: penalties, ``min_tokens`` bans, grammars and reasoning budgets are rebuilt per
+draft row from the history (``engine.drafted``, ``engine.constraints``), and a draft is cut before the first
+token the request's grammar or reasoning budget refuses (``allowed_prefix``: such a token and every row
+after it would be rejected). Drafts are verified exactly; everybody else decodes normally beside them. A draft never holds an image sentinel
 id (proposals copied from a prompt's image block end before it): image blocks come only from prompts.
 """
 
@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..engine.drafted import draftable
+from ..engine.constraints import allowed_prefix
 from ..engine.ngram import SuffixIndex
 from .admission import SchedulerLimits
 from .request import Request
@@ -107,13 +107,14 @@ class DraftPolicy:
                 if step % PROBE_EVERY:
                     continue
             n = min(1 if probe else self._length(req, limits.max_model_len, bar=bar), budget)
-            if n <= 0 or not draftable(req.sampler):
+            if n <= 0:
                 continue
             if self.source == "model" and req.proposal_survival:  # a probe's block too: its forward is spent
                 surviving.append(req)
                 continue
             draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)
             draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
+            draft = draft[:allowed_prefix(req.sampler, draft)]
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
@@ -140,6 +141,7 @@ class DraftPolicy:
         blocks: list[tuple[float, ...]] = []
         for i, req in enumerate(reqs):
             block = self._proposal(req, self._length(req, max_model_len, self.k))
+            block = block[:allowed_prefix(req.sampler, block)]
             scale = req.survival_scale
             blocks.append(tuple(min(1.0, s * scale) for s in req.proposal_survival[:len(block)]))
             if blocks[-1]:
@@ -180,11 +182,7 @@ class DraftPolicy:
         if bar >= self._limit():
             return [(False, False)] * len(reqs)
         probe_next = (step + 1) % PROBE_EVERY == 0
-        out = []
-        for req in reqs:
-            follow = draftable(req.sampler)
-            out.append((follow and not plain_next and (probe_next or req.draft_rate > bar), follow))
-        return out
+        return [(not plain_next and (probe_next or req.draft_rate > bar), True) for req in reqs]
 
     def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
         """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders (``bar``)."""
@@ -196,7 +194,7 @@ class DraftPolicy:
         them. Once it cannot (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
         the drafter's rings then miss those positions and the request drafts again only once they are
         whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
-        if self.source != "model" or not draftable(req.sampler):
+        if self.source != "model":
             return False
         return self.bar(req, n, costs, draft_cost, max_model_len) < FOLLOW_LIMIT
 

@@ -29,8 +29,8 @@ class RequestSpec:
     and the sampler advances it from the request's output, but the spec still names the same object.
     Compared by identity: a spec is one request's, and field equality would compare image tensors and
     grammar matchers. Prompt logprobs ride in ``params.prompt_logprobs`` (the scoring count the engine computes); there
-    is no per-request speculation switch: the drafter decides from the sampler state alone
-    (``engine.drafted.draftable``).
+    is no per-request speculation switch: every decoder may draft (grammars included: a draft is cut
+    where the request's grammar refuses it, ``engine.constraints.allowed_prefix``).
     """
 
     prompt_ids: tuple[int, ...]  # the ids the engine prefills, image placeholders already expanded
