@@ -157,3 +157,37 @@ def test_constrained_outputs_with_drafts_equal_plain_decoding(method, mode):
     for ids in drafted:  # every answer closes its object and validates
         assert ids[-1] == tok.eos_id, tok.decode(ids)
         validate(json.loads(tok.decode(ids[:-1])), PERSON)
+
+
+def test_forced_tokens_are_what_the_grammar_forces_after_the_committed_output():
+    from ds4serve.engine.constraints import forced_tokens
+
+    tok = tiny()[0]
+    s = _state(matcher(response_format=SCHEMA), [])
+    assert tok.decode(list(forced_tokens(s, 64))) == '{"name": "'
+    assert len(forced_tokens(s, 3)) == 3
+    s.output_ids.extend(tok.encode_text('{"name": "ab"'))
+    assert tok.decode(list(forced_tokens(s, 64))) == ', "age":'
+    assert s.constraint.num_tokens == len(s.output_ids)  # the matcher stays at the committed output
+    s.output_ids.extend(tok.encode_text(' 4'))
+    assert forced_tokens(s, 64) == ()  # a number may go on: nothing is forced
+    assert forced_tokens(_state(None, [1, 2]), 8) == ()
+    thinking = _state(matcher(thinking=True, response_format=SCHEMA), tok.encode_text("hm"))
+    assert forced_tokens(thinking, 8) == ()  # inside the reasoning the grammar does not apply yet
+
+
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_a_schemas_forced_tokens_are_drafted_and_accepted(method):
+    """A prompt without any JSON in it: prompt lookup finds nothing and the bundled drafter never saw the
+    schema, so the drafts that are accepted are the grammar's forced keys and punctuation (the answer is
+    96 tokens; 24 were accepted in drafts before forced tokens were drafted). Outputs equal plain decoding's."""
+    from ds4serve.llm import LLM
+
+    tok = tiny()[0]
+    prompt = tok.encode_text("Describe a person as JSON.\nAnswer: ")
+    params = [SamplingParams(max_tokens=160, temperature=0.0)] * 2
+    plain, _ = _run(LLM(BUNDLED, max_seqs=2, warmup=False), [prompt] * 2, params)
+    drafted, figures = _run(LLM(BUNDLED, max_seqs=2, warmup=False, speculative=json.dumps({"method": method})),
+                            [prompt] * 2, params)
+    assert drafted == plain
+    assert figures["accepted_tokens"] >= 2 * 40, figures  # of 2 x 96 tokens, over half came as drafts

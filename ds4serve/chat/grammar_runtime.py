@@ -185,6 +185,13 @@ class RequestMatcher:
         if self.think_end_id is not None and self._activated_at is not None and self._activated_at > len(self._history):
             self._activated_at = None
 
+    def forced(self, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` tokens the grammar forces next (its forced bytes, tokenized by the library:
+        a JSON schema's keys and punctuation); none outside the grammar's reach (thinking, ended, refused)."""
+        if limit <= 0 or not self.native:
+            return ()
+        return tuple(self._m.compute_ff_tokens()[:limit])
+
     def reset(self) -> None:
         """Back to the start (a request recomputed from its prompt)."""
         self.rollback(len(self._history))

@@ -49,6 +49,8 @@ class Constraint(Protocol):
 
     def accept(self, token_id: int) -> bool: ...
 
+    def forced(self, limit: int) -> tuple[int, ...]: ...
+
     def rollback(self, n: int) -> None: ...
 
 
@@ -155,3 +157,18 @@ def allowed_prefix(state: Any, draft: Sequence[int]) -> int:
     finally:
         c.rollback(c.num_tokens - len(state.output_ids))
     return n
+
+
+def forced_tokens(state: Any, limit: int) -> tuple[int, ...]:
+    """Up to ``limit`` tokens the request's grammar forces after its committed output (none without a
+    grammar): a draft that is accepted whenever the model writes the grammar's own tokenization of the
+    forced text (the only one a small vocabulary has; another tokenization rejects the rest, exactly)."""
+    c = state.constraint
+    if c is None or limit <= 0:
+        return ()
+    try:
+        sync(c, state.output_ids)
+    except ConstraintViolation:
+        return ()
+    forced = c.forced(limit)
+    return forced[:allowed_prefix(state, forced)]

@@ -105,4 +105,5 @@ def _checkpoint_policy(cfg: ModelConfig, spec: SpeculativeConfig, cache: CacheMa
     log.info("speculative decoding: the checkpoint's %s; up to %d drafted tokens verified a step, exactly; drafts "
              "take at most %.0f%% of a step's calibrated spare rows", what, k, 100 * spec.draft_share)
     return DraftPolicy(k=k, min_n=1, max_n=1, window=1, max_rows=room, vocab_size=cfg.vocab_size,
-                       share=spec.draft_share, source="model", confidence=spec.confidence_threshold)
+                       share=spec.draft_share, source="model", confidence=spec.confidence_threshold,
+                       forced=spec.acceptance == "coupled")

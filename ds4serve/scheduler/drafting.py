@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..engine.constraints import allowed_prefix
+from ..engine.constraints import allowed_prefix, forced_tokens
 from ..engine.ngram import SuffixIndex
 from .admission import SchedulerLimits
 from .request import Request
@@ -72,6 +72,9 @@ class DraftPolicy:
     share: float = 0.5  # of the step's calibrated spare rows
     source: str = "ngram"  # "ngram": prompt lookup here; "model": the checkpoint drafter's blocks (engine side)
     confidence: float = 0.0  # a model block is cut before its survival estimate falls below this
+    # a grammar's forced tokens may stand in for a model block (``forced_tokens``); not under rejection
+    # sampling, which verifies a model draft against the q its block was drawn from
+    forced: bool = True
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
              draft_cost: float = 0.0, step: int = 0, prefill: Callable[[], int] | None = None
@@ -108,6 +111,9 @@ class DraftPolicy:
                     continue
             n = min(1 if probe else self._length(req, limits.max_model_len, bar=bar), budget)
             if n <= 0:
+                continue
+            if self.source == "model" and self._forced_block(req, n, out):
+                budget -= len(out[req.request_id])
                 continue
             if self.source == "model" and req.proposal_survival:  # a probe's block too: its forward is spent
                 surviving.append(req)
@@ -217,6 +223,18 @@ class DraftPolicy:
             return False
         return self.pays(req, n, costs, draft_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
 
+    def _forced_block(self, req: Request, n: int, out: dict[str, tuple[int, ...]]) -> bool:
+        """Under a grammar, the tokens it forces in place of the model's block when they are more than the
+        part of the block the grammar allows (a drafter that never saw the schema drafts its keys poorly)."""
+        if not self.forced or req.sampler.constraint is None:
+            return False
+        forced = forced_tokens(req.sampler, n)
+        block = self._proposal(req, n)
+        if len(forced) <= allowed_prefix(req.sampler, block):
+            return False
+        out[req.request_id] = forced
+        return True
+
     def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
         """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the
         request moved on since: a preemption, a failed step), cut where the drafter's own survival
@@ -229,10 +247,17 @@ class DraftPolicy:
 
     def _lookup(self, req: Request, n: int) -> tuple[int, ...]:
         """Up to ``n`` tokens by prompt lookup (``engine.ngram.propose``'s rule over prompt + output) from
-        the request's own index, which takes in only the tokens added since its last draft."""
+        the request's own index, which takes in only the tokens added since its last draft; under a grammar,
+        the tokens it forces when they are more (``forced_tokens``: a schema's keys and punctuation, which
+        the prompt need not hold)."""
         if req.ngram is None:
             req.ngram = SuffixIndex(self.min_n, self.max_n, self.window)
-        return req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
+        draft = req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
+        if req.sampler.constraint is None:
+            return draft
+        draft = draft[:allowed_prefix(req.sampler, draft)]
+        forced = forced_tokens(req.sampler, n)
+        return forced if len(forced) > len(draft) else draft
 
     def _length(self, req: Request, max_model_len: int, want: int | None = None, bar: float = 0.0) -> int:
         """The longest draft worth verifying for ``req``: ``want``, by default ``rows_that_pay`` of its rate
@@ -272,12 +297,16 @@ def rows_that_pay(rate: float, bar: float, k: int) -> int:
     return max(1, min(k, math.ceil(math.log(bar) / math.log(rate)) - 1))
 
 
-def estimated(req: Request, drafted: int, accepted: int) -> float | None:
-    """The drafter's survival estimates of the ``drafted`` rows ``req`` just verified, summed: its block
+def estimated(req: Request, draft: tuple[int, ...], accepted: int) -> float | None:
+    """The drafter's survival estimates of the ``draft`` rows ``req`` just verified, summed: its block
     was drafted for the row at ``proposal_at``, which ``computed`` has since passed by 1 + ``accepted``.
-    None for an n-gram draft (no estimates) or a block that is not the one verified."""
+    None for an n-gram draft (no estimates) or a draft that is not that block's prefix (a grammar's forced
+    tokens verified in its place)."""
+    drafted = len(draft)
     survival = req.proposal_survival if req.proposal_at == req.computed - 1 - accepted else ()
-    return sum(survival[:drafted]) if drafted and len(survival) >= drafted else None
+    if not drafted or len(survival) < drafted or tuple(req.proposal[:drafted]) != tuple(draft):
+        return None
+    return sum(survival[:drafted])
 
 
 def record(req: Request, drafted: int, accepted: int, expected: float | None = None) -> None:
@@ -297,7 +326,7 @@ def record(req: Request, drafted: int, accepted: int, expected: float | None = N
 def count_draft(req: Request, draft: tuple[int, ...], accepted: int, spec: Counter) -> None:
     """Acceptance figures of one verify step: the request's own rate (its next draft lengths, ``record``)
     and the server's totals in ``spec`` (verify steps, drafted and accepted tokens, per draft position)."""
-    record(req, len(draft), accepted, estimated(req, len(draft), accepted))
+    record(req, len(draft), accepted, estimated(req, draft, accepted))
     spec["verify_steps"] += 1
     spec["drafted_tokens"] += len(draft)
     spec["accepted_tokens"] += accepted
