@@ -16,13 +16,18 @@ from ds4serve.engine.ngram import SuffixIndex, propose
 
 
 def oracle(tokens: list[int], k: int, min_n: int, max_n: int, window: int) -> tuple[int, ...]:
-    """The rule, literally: the window, then n from max_n down, then start positions from the latest."""
+    """The rule, literally: the window, then n from max_n down, then start positions from the latest; the
+    tokens after the occurrence, and past the history's end the text repeating with period d (the
+    distance from the occurrence's end to the suffix's end), one token at a time."""
     h = tokens[max(0, len(tokens) - window):]
     for n in range(max_n, min_n - 1, -1):
         suffix = h[len(h) - n:] if n <= len(h) else None
         for s in range(len(h) - n - 1, -1, -1):  # an earlier start than the suffix's own
             if h[s:s + n] == suffix:
-                return tuple(h[s + n:s + n + k])
+                ext, d = list(h), len(h) - (s + n)  # the occurrence ends at s + n - 1, the suffix at len - 1
+                while len(ext) < s + n + k:
+                    ext.append(ext[len(ext) - d])
+                return tuple(ext[s + n:s + n + k])
     return ()
 
 
@@ -37,6 +42,12 @@ def cases(draw):
     min_n = draw(st.integers(1, 4))
     max_n = draw(st.integers(min_n, 6))
     return tokens, draw(st.integers(0, 7)), min_n, max_n, draw(st.integers(1, 70))
+
+
+def _after(h: list[int], start: int, k: int) -> tuple[int, ...]:
+    """The k tokens from ``start`` on, the tokens ``h[start:]`` repeated past the end (one period)."""
+    period = h[start:]
+    return tuple(period[i % len(period)] for i in range(k)) if period else ()
 
 
 def _occurrences(h: list[int], n: int) -> list[int]:
@@ -61,7 +72,7 @@ def test_a_proposal_follows_an_earlier_occurrence_of_the_suffix(case):
     if not got:
         return
     h = tokens[-window:]
-    follows = [n for n in range(min_n, max_n + 1) for s in _occurrences(h, n) if tuple(h[s + n:s + n + k]) == got]
+    follows = [n for n in range(min_n, max_n + 1) for s in _occurrences(h, n) if _after(h, s + n, len(got)) == got]
     assert follows, "the proposal is not what follows any occurrence of a suffix"
 
 
@@ -77,8 +88,8 @@ def test_the_longest_then_the_most_recent_occurrence_wins(case):
         return
     n = max(lengths)
     latest = max(_occurrences(h, n))
-    assert got == tuple(h[latest + n:latest + n + k])
-    assert len(got) == min(k, len(h) - latest - n)  # as many as followed, up to k
+    assert got == _after(h, latest + n, k)
+    assert len(got) == k  # what followed, and past the end the same period again
 
 
 @given(cases(), st.lists(st.integers(0, 3), min_size=1, max_size=20))
@@ -97,7 +108,9 @@ def test_examples():
     assert propose([7, 1, 2, 8, 5, 2, 6, 1, 2], 2, 1, 2) == (8, 5)  # "1 2" beats the later "2"
     assert propose([7, 1, 2, 8, 5, 2, 6, 1, 2], 2, 1, 1) == (6, 1)  # max_n 1: the latest "2"
     assert propose([1, 2, 3, 4, 1, 2, 3, 9, 9, 1, 2, 3], 3, 1, 3, window=5) == ()
-    assert propose([5, 5, 5, 5], 4, 1, 3) == (5,)  # the latest occurrence overlaps the suffix
+    assert propose([5, 5, 5, 5], 4, 1, 3) == (5, 5, 5, 5)  # the latest occurrence overlaps the suffix: a loop
+    assert propose([3, 1, 2, 1, 2], 5, 1, 3) == (1, 2, 1, 2, 1)  # "2 1 2" two back: period 2, continued
+    assert propose([1, 2, 3, 9, 1, 2, 3], 6, 3, 3) == (9, 1, 2, 3, 9, 1)  # period 4
     assert propose([], 3, 1, 3) == () and propose([4], 3, 1, 1) == ()
     with pytest.raises(ValueError):
         propose([1, 2], 3, 0, 2)
