@@ -120,3 +120,41 @@ def test_an_invalid_schema_is_a_400_naming_the_field(server):
     r = httpx.post(server.base + "/v1/chat/completions", json={"model": "tiny", "messages": USER,
                                                                "response_format": bad}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format"), r.text
+
+
+@pytest.fixture(scope="module", params=["ngram", "dspark"])
+def drafting_client(request):
+    """The same model served with drafts (prompt lookup, or the bundled DSpark drafter)."""
+    from ds4serve.server.inprocess import serve
+
+    spec = json.dumps({"method": request.param})
+    with serve(BUNDLED, name="tiny", random_weights=False,
+               settings={"max_model_len": 2048, "speculative": spec}) as srv:
+        yield openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0), srv
+
+
+def _answer(message) -> dict:
+    """A message as compared across servers: every field but the tool calls' random ids."""
+    out = message.model_dump()
+    out["tool_calls"] = [{k: v for k, v in c.items() if k != "id"} for c in out.get("tool_calls") or []]
+    return out
+
+
+def test_constrained_answers_with_drafts_equal_the_plain_servers(client, drafting_client):
+    """A JSON schema, a reasoning budget in thinking mode and a forced tool call, greedy, whole and streamed:
+    the drafting server answers exactly as the plain one, and it did verify drafts (its metrics)."""
+    import httpx
+
+    drafted, srv = drafting_client
+    thinking = {"chat_template_kwargs": {"thinking": True}, "max_reasoning_tokens": 12}
+    cases = [dict(response_format=FMT), dict(response_format=FMT, extra_body=thinking),
+             dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})]
+    for kw in cases:
+        plain_whole, plain_stream = _both(client, **kw)
+        whole, stream = _both(drafted, **kw)
+        assert _answer(whole.message) == _answer(plain_whole.message), kw
+        assert whole.finish_reason == plain_whole.finish_reason and stream == plain_stream, kw
+    metrics = httpx.get(srv.base + "/metrics", timeout=30).text
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("ds4serve_spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, accepted
