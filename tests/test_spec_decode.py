@@ -219,8 +219,9 @@ def test_drafting_turns_down_as_the_batch_fills():
     assert 0 < sum(map(len, many.values())) <= limits.prefill_tokens(64) // 2
     window = DraftPolicy(k=4, min_n=1, max_n=3, window=4, max_rows=7, vocab_size=1000)
     one = decoders(1, 1.0)[0]
-    # prompt lookup within the last 4 of prompt + output ([3, 1, 2, 3]): the suffix 3 recurs at its start
-    assert window._lookup(one, 4) == propose(one.prompt_ids + one.output_ids, 4, 1, 3, 4) == (1, 2, 3)
+    # prompt lookup within the last 4 of prompt + output ([3, 1, 2, 3]): the suffix 3 recurs at its start,
+    # and past the end the text repeats with that period
+    assert window._lookup(one, 4) == propose(one.prompt_ids + one.output_ids, 4, 1, 3, 4) == (1, 2, 3, 1)
     low = decoders(64, 0.3)  # below it: one token every PROBE_EVERY steps, so the rate can recover
     plans = [policy.plan(low, limits, step=s) for s in range(1, 2 * PROBE_EVERY + 1)]
     drafted = [i for i, p in enumerate(plans) if p]

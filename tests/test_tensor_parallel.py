@@ -65,6 +65,54 @@ def test_two_ranks_answer_as_one_process(one_process, expert_parallel):
     assert max(diffs) < 1e-4
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
+ECHO = [5, 9, 14, 22, 5, 9, 14, 22, 5, 9, 14, 22, 5, 9]  # a repeating prompt: lookup finds matches
+
+
+def _drafted_answers(parallel: ParallelSettings | None, speculative: str | None):
+    """Completions one after another (one stream: drafting pays) and the accepted-draft total."""
+    import httpx
+
+    settings = SETTINGS | ({"speculative": speculative} if speculative else {})
+    with serve(BUNDLED, random_weights=False, settings=settings, parallel=parallel) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+        texts = [client.completions.create(model="tiny", prompt=ECHO[i:], max_tokens=40, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text
+                 for i in range(4)]
+        texts.append(_ask(client, 1)[0])  # and the image question: its answer is known
+        metrics = httpx.get(srv.base + "/metrics", timeout=30).text
+        assert srv.loop.call(lambda core: core.leaks()) == ""
+    line = [x for x in metrics.splitlines() if x.startswith("ds4serve_spec_decode_num_accepted_tokens_total")]
+    return texts, float(line[0].split()[-1]) if line else 0.0
+
+
+def test_ngram_drafts_under_two_ranks_answer_as_one_plain_process():
+    """Rank 0 samples and verifies; every rank rolls back the same rejected rows (the accepted counts
+    agreed in one all-reduce), so two ranks with drafts answer as one process without them."""
+    plain, _ = _drafted_answers(None, None)
+    drafted, accepted = _drafted_answers(ParallelSettings(2, False, timeout_s=60), NGRAM)
+    assert drafted == plain and plain[-1] == "green"
+    assert accepted > 0
+
+
+def test_a_rank_that_raises_in_a_drafted_step_fails_it_everywhere(caplog):
+    """The drafted step's collectives include the accepted counts' all-reduce: the failing rank drains it
+    too, so rank 0 is not left waiting; the step fails on every rank and is undone, and its request,
+    recomputed, answers as one plain process does (the fault fires once)."""
+    plain, _ = _drafted_answers(None, None)
+    par = ParallelSettings(2, False, timeout_s=60, worker_hook="tp_faults:raise_on_first_draft")
+    settings = SETTINGS | {"speculative": NGRAM}
+    with serve(BUNDLED, random_weights=False, settings=settings, parallel=par) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+        with caplog.at_level(logging.ERROR, logger="ds4serve"):
+            text = client.completions.create(model="tiny", prompt=ECHO, max_tokens=40, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert any("failed on another tensor-parallel rank" in r.getMessage() for r in caplog.records)
+        assert text == plain[0]
+        assert _ask(client, 0)[0] == "12" and _ask(client, 1)[0] == "green"
+        assert srv.loop.call(lambda core: core.leaks()) == ""
+
+
 def test_a_rank_that_raises_fails_the_step_everywhere_and_the_server_goes_on(caplog):
     par = ParallelSettings(2, False, timeout_s=60, worker_hook="tp_faults:raise_on_token")
     with serve(BUNDLED, random_weights=False, settings=SETTINGS, parallel=par) as srv:

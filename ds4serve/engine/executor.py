@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,9 @@ class Executor:
         self.host = self._host_forward(host_kernels, moe_activations, head_activations)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
+        # tensor parallel: how every rank learns the accepted drafts of a step, whose sampling is rank 0's
+        # (``parallel_executor.Collectives.agree``: rank 0's counts, the workers' zeros, summed); None: one process
+        self.agree: Callable[[list[int]], list[int]] | None = None
 
     def use_drafter(self, drafts: ModelDrafts) -> None:
         """Run ``drafts`` with every step: its captures split the forward, its blocks are verified
@@ -246,7 +250,8 @@ class Executor:
         tokens = self._sample(rows, owners)
         if saved is not None:  # the rejected tail of every draft leaves no trace in the rings
             accepted = {t.slot: len(t.accepted) for t in tokens}
-            saved.restore([accepted.get(s.slot, 0) for s in saved.spans])
+            counts = [accepted.get(s.slot, 0) for s in saved.spans]
+            saved.restore(counts if self.agree is None else self.agree(counts))
         drafting = (0.0, 0)
         if self.drafts is not None and self.sample:
             tokens, drafting = self._draft_next(fed, plan.decodes, owners, tokens)
@@ -294,7 +299,7 @@ class Executor:
                 chunks.append(self._member_chunk(m))
                 want.append(_Owner(m.request_id, m.slot, m.sampler, propose=m.follow) if m.sample else None)
         spans = [DraftSpan(d.slot, d.position + 1, len(d.draft)) for d in decodes if d.draft]
-        if spans and not self.sample:
+        if spans and not self.sample and self.agree is None:
             raise StepError("drafts need the sampling rank's verification; this engine does not sample")
         saved = SavedRings(self.cache.state, spans) if spans else None
         view = self._view(chunks)

@@ -179,15 +179,20 @@ def strip_plan(plan: StepPlan) -> StepPlan:
     return dataclasses.replace(plan, decodes=decodes, passes=passes)
 
 
-def planned_reduces(plan: StepPlan, num_layers: int) -> list[int]:
-    """Rows of every all-reduce ``plan``'s forwards make, in order (two per layer per forward)."""
+def planned_reduces(plan: StepPlan, num_layers: int, width: int) -> list[int]:
+    """Rows of every all-reduce ``plan``'s step makes, in order: two per layer per forward (a decoder's
+    rows are its token and its draft), then, when decoders carry drafts, the one that agrees on their
+    accepted counts (``Collectives.agree``: ``width`` counts a row)."""
     out: list[int] = []
     whole = [p for p in plan.passes if p.layer_start == 0 and p.layer_stop == num_layers]
     if plan.decodes or whole:
-        out += [len(plan.decodes) + sum(p.rows for p in whole)] * (2 * num_layers)
+        out += [sum(1 + len(d.draft) for d in plan.decodes) + sum(p.rows for p in whole)] * (2 * num_layers)
     for p in plan.passes:
         if p not in whole:
             out += [p.rows] * (2 * (p.layer_stop - p.layer_start))
+    drafted = sum(1 for d in plan.decodes if d.draft)
+    if drafted:
+        out.append(-(-drafted // width))
     return out
 
 
@@ -213,6 +218,15 @@ class Collectives:
             raise RankFailure(f"tensor-parallel all-reduce failed (a rank died or hangs): {exc}") from exc
         self.done += 1
         return t
+
+    def agree(self, counts: list[int]) -> list[int]:
+        """Every rank's copy of rank 0's ``counts`` (the accepted drafts of a step: only rank 0 samples, and
+        every rank must roll the same rejected rows back): one all-reduce in which the workers, who
+        sampled nothing, add zeros. Counts travel as floats, exact at these sizes, ``width`` a row."""
+        n = len(counts)
+        t = torch.zeros(-(-n // self.width), self.width, dtype=self.dtype, device=self.device)
+        t.view(-1)[:n] = torch.tensor(counts, dtype=self.dtype)
+        return [int(round(v)) for v in self.reduce(t).view(-1)[:n].tolist()]
 
     def drain(self, rows: list[int]) -> None:
         """Make the all-reduces of ``rows`` this step has not made yet (after a local failure)."""
@@ -256,7 +270,7 @@ def run_step(engine, coll: Collectives, plan: StepPlan, num_layers: int) -> Step
         raise RankFailure(f"step {plan.step_id}: tensor-parallel group lost: {coll.lost}")
     failed = result.status is StepStatus.FAILED
     if failed:
-        coll.drain(planned_reduces(plan, num_layers))
+        coll.drain(planned_reduces(plan, num_layers, coll.width))
     if not coll.any_failed(failed) or failed:
         return result
     for p in plan.passes:  # the same undo as a step that failed here

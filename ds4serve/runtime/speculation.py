@@ -7,7 +7,8 @@ stop start-up with an error naming them) and run by the engine with every step
 (``engine/model_drafts.py``). Drafts are verified exactly in the batched step, the rejected tail undone in
 the rings (``cache/draft_rows.py``), and their length budgeted by load. ``auto`` runs the drafter the
 checkpoint ships, and says so; a method the checkpoint cannot run is a start-up error, never a silent
-fallback. Tensor parallelism is refused with drafts: the verify pass's rollback runs on the sampling rank.
+fallback. Under tensor parallelism n-gram drafts run (rank 0 samples and verifies; every rank rolls back the
+rejected rows, agreed in one all-reduce: ``Collectives.agree``); a checkpoint drafter is refused there.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: 
             return None
         log.info("speculative decoding auto: the checkpoint ships a %s drafter", found)
         spec = SpeculativeConfig(method=found, num_speculative_tokens=AUTO_TOKENS[found])
-    if tensor_parallel:
-        raise ConfigError("--speculative-config: drafts are not verified under tensor parallelism yet "
-                          "(--tensor-parallel-size 1, or no --speculative-config)")
+    if tensor_parallel and spec.method != "ngram":
+        raise ConfigError(f"--speculative-config: a checkpoint drafter ({spec.method}) does not run under tensor "
+                          "parallelism yet (its forward is not sharded); n-gram drafts do "
+                          "('{\"method\": \"ngram\"}'), or --tensor-parallel-size 1")
     room = max_draft(cache.state)
     if room < 1:
         raise ConfigError("--speculative-config: this model's smallest state ring has no room for a draft")

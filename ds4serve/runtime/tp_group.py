@@ -89,6 +89,7 @@ class ParallelGroup:
                  "cannot agree on with the other ranks)")
         recorder = CallRecorder()
         engine = Executor(cfg, model, cache, decode_graphs="off")
+        engine.agree = self.coll.agree  # drafts: every rank rolls back what rank 0's sampling rejected
         return Mirrored(cache, "cache", recorder), ParallelExecutor(engine, self.coll, recorder, cfg.num_layers)
 
     def watch(self) -> None:
@@ -244,6 +245,7 @@ def run_rank(args: RankArgs, rank: int, store: dist.Store) -> None:
     cache = CacheManager(layout, sizing["max_seqs"], sizing["n_pages"], dev, sizing["host_budget"],
                          sizing["staging_rows"], prefix_budget_bytes=sizing["prefix_budget"])
     engine = Executor(cfg, model, cache, decode_graphs="off", sample=False)
+    engine.agree = coll.agree
     if args.hook:
         module, name = args.hook.split(":")
         getattr(importlib.import_module(module), name)(rank, engine)
