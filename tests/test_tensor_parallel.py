@@ -86,20 +86,25 @@ def _drafted_answers(parallel: ParallelSettings | None, speculative: str | None)
     return texts, float(line[0].split()[-1]) if line else 0.0
 
 
-def test_ngram_drafts_under_two_ranks_answer_as_one_plain_process():
-    """Rank 0 samples and verifies; every rank rolls back the same rejected rows (the accepted counts
-    agreed in one all-reduce), so two ranks with drafts answer as one process without them."""
-    plain, _ = _drafted_answers(None, None)
-    drafted, accepted = _drafted_answers(ParallelSettings(2, False, timeout_s=60), NGRAM)
-    assert drafted == plain and plain[-1] == "green"
+@pytest.fixture(scope="module")
+def plain_answers():
+    return _drafted_answers(None, None)[0]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, '{"method": "dspark"}'], ids=["ngram", "dspark"])
+def test_drafts_under_two_ranks_answer_as_one_plain_process(plain_answers, spec):
+    """Rank 0 samples and verifies (and runs the bundled DSpark drafter whole, on the target layers' full
+    rows); every rank rolls back the same rejected rows (the accepted counts agreed in one all-reduce), so
+    two ranks with drafts answer as one process without them."""
+    drafted, accepted = _drafted_answers(ParallelSettings(2, False, timeout_s=60), spec)
+    assert drafted == plain_answers and plain_answers[-1] == "green"
     assert accepted > 0
 
 
-def test_a_rank_that_raises_in_a_drafted_step_fails_it_everywhere(caplog):
+def test_a_rank_that_raises_in_a_drafted_step_fails_it_everywhere(plain_answers, caplog):
     """The drafted step's collectives include the accepted counts' all-reduce: the failing rank drains it
     too, so rank 0 is not left waiting; the step fails on every rank and is undone, and its request,
     recomputed, answers as one plain process does (the fault fires once)."""
-    plain, _ = _drafted_answers(None, None)
     par = ParallelSettings(2, False, timeout_s=60, worker_hook="tp_faults:raise_on_first_draft")
     settings = SETTINGS | {"speculative": NGRAM}
     with serve(BUNDLED, random_weights=False, settings=settings, parallel=par) as srv:
@@ -108,7 +113,7 @@ def test_a_rank_that_raises_in_a_drafted_step_fails_it_everywhere(caplog):
             text = client.completions.create(model="tiny", prompt=ECHO, max_tokens=40, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text
         assert any("failed on another tensor-parallel rank" in r.getMessage() for r in caplog.records)
-        assert text == plain[0]
+        assert text == plain_answers[0]
         assert _ask(client, 0)[0] == "12" and _ask(client, 1)[0] == "green"
         assert srv.loop.call(lambda core: core.leaks()) == ""
 
@@ -175,3 +180,12 @@ def test_a_lost_rank_stops_the_server_with_a_clear_error(how, caplog):
             finally:
                 if how == "hangs":
                     os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_the_mtp_block_is_refused_under_tensor_parallelism_naming_it():
+    from ds4serve.config import ConfigError
+    from ds4serve.runtime.speculation import draft_policy
+    from ds4serve.settings import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="MTP block does not run under tensor parallelism"):
+        draft_policy(None, SpeculativeConfig(method="mtp", num_speculative_tokens=2), None, tensor_parallel=True)

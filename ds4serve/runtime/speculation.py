@@ -7,8 +7,9 @@ stop start-up with an error naming them) and run by the engine with every step
 (``engine/model_drafts.py``). Drafts are verified exactly in the batched step, the rejected tail undone in
 the rings (``cache/draft_rows.py``), and their length budgeted by load. ``auto`` runs the drafter the
 checkpoint ships, and says so; a method the checkpoint cannot run is a start-up error, never a silent
-fallback. Under tensor parallelism n-gram drafts run (rank 0 samples and verifies; every rank rolls back the
-rejected rows, agreed in one all-reduce: ``Collectives.agree``); a checkpoint drafter is refused there.
+fallback. Under tensor parallelism rank 0 samples and verifies, and every rank rolls back the rejected rows
+(agreed in one all-reduce: ``Collectives.agree``); DSpark runs whole on rank 0, which reads the target layers'
+full hidden rows after their all-reduces (its own weights are not sharded); MTP is refused there (untested).
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: 
             return None
         log.info("speculative decoding auto: the checkpoint ships a %s drafter", found)
         spec = SpeculativeConfig(method=found, num_speculative_tokens=AUTO_TOKENS[found])
-    if tensor_parallel and spec.method != "ngram":
-        raise ConfigError(f"--speculative-config: a checkpoint drafter ({spec.method}) does not run under tensor "
-                          "parallelism yet (its forward is not sharded); n-gram drafts do "
-                          "('{\"method\": \"ngram\"}'), or --tensor-parallel-size 1")
+    if tensor_parallel and spec.method == "mtp":
+        raise ConfigError("--speculative-config: the MTP block does not run under tensor parallelism yet (not "
+                          "tested there); DSpark and n-gram drafts do, or --tensor-parallel-size 1")
+    if tensor_parallel and spec.method == "dspark":
+        log.info("speculative decoding under tensor parallelism: the DSpark drafter runs whole on rank 0 (its "
+                 "own weights unsharded there; the embedding and head it shares are replicated on every rank)")
     room = max_draft(cache.state)
     if room < 1:
         raise ConfigError("--speculative-config: this model's smallest state ring has no room for a draft")
