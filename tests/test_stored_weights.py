@@ -118,7 +118,7 @@ def test_fp8_products_with_power_of_two_scales_equal_the_fp32_kernels(n, k, bloc
 
 @pytest.mark.parametrize("n,k", [(96, 200), (130, 64), (257, 4100)])
 def test_bf16_products_equal_the_fp32_kernels_over_widened_weights(n, k):
-    """The bf16 [N, K] head's tiles (up to 8 rows x 3 outputs on AVX-512, 4 x 2 on AVX2, with a prefetch
+    """The bf16 [N, K] head's tiles (up to 8 rows x 3 outputs on AVX-512, 6 x 2 on AVX2, with a prefetch
     that runs past the last row) add like the fp32 nk_tile: the same bits for every row count (groups as
     even as may be: 11 = 6 + 5, 17 = 6 + 6 + 5), short output blocks (130, 257) and K tails (200, 4100)."""
     lib = _lib()

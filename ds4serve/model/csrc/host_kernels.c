@@ -241,15 +241,19 @@ static void p16_tile(const uint16_t *x, int64_t ldx, int mr, int64_t K, const ui
                      float *y, int64_t ldy, int alone);
 static void p16_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb);
 /* a bf16 [N, K] tile (b16_tile): rows x outputs, every head row decoded once per B16_MR rows: 8 x 3
-   accumulators in AVX-512's 32 registers, 4 x 2 in AVX2's 16; one row alone takes B16_NR1 outputs (more
-   rows streaming at once: 3 were 0.90x the 4 before at one row; with the prefetches to L2, 8 ran 1.02x /
-   1.10x the 4 on 1 / 2 threads and 16 0.97-0.99x, scripts/bench_stored.py --head, Zen 5) */
+   accumulators in AVX-512's 32 registers, 6 x 2 in AVX2's 16 (with the 2 weight vectors and the row's: 15);
+   one row alone takes B16_NR1 outputs (more rows streaming at once: 3 were 0.90x the 4 before at one row;
+   with the prefetches to L2, 8 ran 1.02x / 1.10x the 4 on 1 / 2 threads and 16 0.97-0.99x,
+   scripts/bench_stored.py --head, Zen 5). AVX2's rows were 4 a tile: 6 reads the head once where 4 read it
+   twice (5-6 rows) and 3 times where 4 read it 4 times (13-16), 1.26x / 1.23x / 1.07x at 5 / 6 / 16 rows,
+   the same at 8 (two tiles of 4 either way: the rows are split as evenly as may be), -march=znver3 on a
+   Zen 5 (8 x 2 spills: 0.87x) */
 #ifndef B16_MR
 #if VW == 16
 #define B16_MR 8
 #define B16_NR 3
 #else
-#define B16_MR 4
+#define B16_MR 6
 #define B16_NR 2
 #endif
 #endif

@@ -583,6 +583,8 @@ B16_TILE(4, B16_NR)
 #if B16_MR > 4
 B16_TILE(5, B16_NR)
 B16_TILE(6, B16_NR)
+#endif
+#if B16_MR > 6
 B16_TILE(7, B16_NR)
 B16_TILE(8, B16_NR)
 #endif
@@ -600,12 +602,16 @@ static void b16_tile(const float *x, int64_t ldx, int mr, int64_t K, const uint8
         case 1: b16_tile_1_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         case 2: b16_tile_2_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         case 3: b16_tile_3_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
-#if B16_MR > 4
+#if B16_MR > 6
         case 4: b16_tile_4_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         case 5: b16_tile_5_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         case 6: b16_tile_6_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         case 7: b16_tile_7_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
         default: b16_tile_8_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
+#elif B16_MR > 4
+        case 4: b16_tile_4_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
+        case 5: b16_tile_5_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
+        default: b16_tile_6_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
 #else
         default: b16_tile_4_B16_NR(x, ldx, K, w, ld, nr, y, ldy); break;
 #endif
