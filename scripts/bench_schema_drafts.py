@@ -1,4 +1,5 @@
-"""One request under a JSON schema on the bundled model, plain decoding against drafting, interleaved.
+"""One request under a JSON schema (an order, as a tool's arguments) on the bundled model: plain decoding
+against drafting, interleaved.
 
 Why a script beside ``ds4serve bench spec``: that bench measures free text (``LLM.generate`` carries no
 grammar); here each request carries a schema's matcher, so what is measured is drafting under a grammar,
@@ -31,19 +32,21 @@ from ds4serve.llm import LLM
 from ds4serve.scheduler.spec import RequestSpec
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "ds4v-tiny"
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "role": {"enum": ["admin", "user"]}, "ok": {"type": "boolean"},
-    "pets": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
-    "home": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"}},
-             "required": ["zip"], "additionalProperties": False}},
-    "required": ["name", "age", "role", "ok", "pets", "home"], "additionalProperties": False}
+# an order as a tool's arguments: keys and punctuation the grammar forces, values the model chooses
+ORDER = {"type": "object", "properties": {
+    "item": {"type": "string", "maxLength": 10}, "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+    "express": {"type": "boolean"}, "size": {"enum": ["small", "medium", "large"]},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                 "postcode": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "postcode"], "additionalProperties": False},
+    "notes": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
+    "required": ["item", "quantity", "express", "size", "address", "notes"], "additionalProperties": False}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def run(llm: LLM, compiler: GrammarCompiler, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """One greedy request under the schema, stepped to the end: its output and wall time."""
-    spec = grammar_spec(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    spec = grammar_spec(response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}})
     req = llm.core.make_request(RequestSpec(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
                                             constraint=compiler.matcher(spec)))
     t = time.perf_counter()
@@ -62,8 +65,9 @@ def main() -> None:
     tok = Tokenizer(TINY)
     compiler = GrammarCompiler.for_tokenizer(tok)
     plain, drafted = LLM(TINY, max_seqs=1), LLM(TINY, max_seqs=1, speculative=args.speculative_config)
-    example = json.dumps({"name": "ab", "age": 30, "role": "user", "ok": True, "pets": ["cat"], "home": {"zip": "123"}})
-    prompts = {"no JSON in the prompt": "Describe a person as JSON.\nAnswer: ",
+    example = json.dumps({"item": "lamp", "quantity": 2, "express": False, "size": "small",
+                          "address": {"city": "Oslo", "postcode": "01234"}, "notes": ["gift"]})
+    prompts = {"no JSON in the prompt": "Place an order for a lamp.\nAnswer: ",
                "an example answer in the prompt": f"Example: {example}\nAnother: {example}\nAnswer: "}
     print(f"drafts: {args.speculative_config}; greedy, one request, best of {args.rounds} interleaved rounds")
     print("| prompt | tokens | plain ms | drafts ms | ratio | verify steps | accepted | identical |")

@@ -191,3 +191,40 @@ def test_a_schemas_forced_tokens_are_drafted_and_accepted(method):
                             [prompt] * 2, params)
     assert drafted == plain
     assert figures["accepted_tokens"] >= 2 * 40, figures  # of 2 x 96 tokens, over half came as drafts
+
+
+def _planned(policy, reqs, step: int = 1):
+    from ds4serve.scheduler.admission import SchedulerLimits
+
+    limits = SchedulerLimits(num_layers=2, max_model_len=512, step_tokens=256, max_prefill_tokens=64,
+                             min_prefill_tokens=16, prefill_mode="chunk", max_queue=8,
+                             step_costs=(4e-3, 1e-4, 1e-4))
+    return policy.plan(reqs, limits, step=step)
+
+
+def _constrained_request(prompt: list[int], rate: float):
+    from ds4serve.scheduler.request import Request
+
+    r = Request("r0", RequestSpec(prompt, SamplingParams(max_tokens=100, temperature=0.0),
+                                  constraint=matcher(response_format=SCHEMA)))
+    r.draft_rate = rate
+    return r
+
+
+def test_forced_tokens_are_drafted_whatever_the_rate_and_refused_lookups_lower_it():
+    """A request whose rate is below the bar (not a probe step) still drafts what its grammar forces (a row
+    with one allowed choice pays wherever a row does); a lookup the grammar refuses from its first token is
+    never verified but counts against the rate, as a draft rejected at its first row."""
+    from ds4serve.engine.constraints import forced_tokens
+    from ds4serve.scheduler.drafting import DraftPolicy
+
+    tok = tiny()[0]
+    policy = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=tiny()[1].vocab_size)
+    low = _constrained_request(tok.encode_text("hello"), rate=0.01)
+    drafted = _planned(policy, [low])["r0"]
+    assert len(drafted) == 4 and '{"name": "'.startswith(tok.decode(list(drafted)))
+    r = _constrained_request(tok.encode_text("7q7q"), rate=1.0)  # after a 7 the prompt has a q
+    r.output_ids.extend(tok.encode_text('{"name": "ab", "age": 7'))  # a number: nothing is forced
+    lookup = policy._lookup(r, 4)
+    assert forced_tokens(r.sampler, 4) == () and lookup and allowed_prefix(r.sampler, lookup) == 0
+    assert _planned(policy, [r]) == {} and r.draft_rate < 1.0

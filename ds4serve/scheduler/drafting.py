@@ -104,23 +104,18 @@ class DraftPolicy:
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
+            forced = self._forced(req, min(self._length(req, limits.max_model_len, self.k), budget))
             probe = not req.draft_rate > bar
-            if probe:  # its rate does not pay: one token every PROBE_EVERY steps
+            if probe and not forced:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
                 if step % PROBE_EVERY:
                     continue
             n = min(1 if probe else self._length(req, limits.max_model_len, bar=bar), budget)
-            if n <= 0:
-                continue
-            if self.source == "model" and self._forced_block(req, n, out):
-                budget -= len(out[req.request_id])
-                continue
-            if self.source == "model" and req.proposal_survival:  # a probe's block too: its forward is spent
+            if self.source == "model" and req.proposal_survival and not forced:  # a probe's block too
                 surviving.append(req)
                 continue
-            draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)
-            draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
-            draft = draft[:allowed_prefix(req.sampler, draft)]
+            draft = self._candidate(req, n) if n > 0 else ()
+            draft = forced if len(forced) >= len(draft) else draft
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
@@ -146,8 +141,7 @@ class DraftPolicy:
         heads: list[tuple[float, int, int]] = []
         blocks: list[tuple[float, ...]] = []
         for i, req in enumerate(reqs):
-            block = self._proposal(req, self._length(req, max_model_len, self.k))
-            block = block[:allowed_prefix(req.sampler, block)]
+            block = self._allowed(req, self._proposal(req, self._length(req, max_model_len, self.k)))
             scale = req.survival_scale
             blocks.append(tuple(min(1.0, s * scale) for s in req.proposal_survival[:len(block)]))
             if blocks[-1]:
@@ -223,17 +217,32 @@ class DraftPolicy:
             return False
         return self.pays(req, n, costs, draft_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
 
-    def _forced_block(self, req: Request, n: int, out: dict[str, tuple[int, ...]]) -> bool:
-        """Under a grammar, the tokens it forces in place of the model's block when they are more than the
-        part of the block the grammar allows (a drafter that never saw the schema drafts its keys poorly)."""
-        if not self.forced or req.sampler.constraint is None:
-            return False
-        forced = forced_tokens(req.sampler, n)
-        block = self._proposal(req, n)
-        if len(forced) <= allowed_prefix(req.sampler, block):
-            return False
-        out[req.request_id] = forced
-        return True
+    def _forced(self, req: Request, n: int) -> tuple[int, ...]:
+        """Up to ``n`` tokens ``req``'s grammar forces next (a schema's keys and punctuation; ``forced_tokens``):
+        a draft whatever the request's rate, as a row the grammar leaves one choice is accepted whenever the
+        model writes the grammar's own tokenization, so it pays wherever any row does (the step's bar below
+        the limit, checked before). None without a grammar, or where ``forced`` is off."""
+        if not self.forced or req.sampler.constraint is None or n <= 0:
+            return ()
+        return forced_tokens(req.sampler, n)
+
+    def _candidate(self, req: Request, n: int) -> tuple[int, ...]:
+        """Up to ``n`` tokens from the drafter (the model's block, or prompt lookup), cut before an image
+        sentinel id and before the first token the request's grammar refuses (``_allowed``)."""
+        draft = self._proposal(req, n) if self.source == "model" else self._lookup(req, n)
+        draft = draft[:next((i for i, t in enumerate(draft) if not 0 <= t < self.vocab_size), len(draft))]
+        return self._allowed(req, draft)
+
+    @staticmethod
+    def _allowed(req: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """``draft`` up to the first token ``req``'s grammar refuses. A draft refused from its first token
+        counts against the request's rate as a draft rejected at its first row (``refused``): it was
+        drafted (a checkpoint drafter's forward spent on it), so a drafter that writes what the grammar
+        never allows drafts less, as one the target rejects does."""
+        ok = draft[:allowed_prefix(req.sampler, draft)]
+        if draft and not ok:
+            refused(req)
+        return ok
 
     def _proposal(self, req: Request, n: int) -> tuple[int, ...]:
         """The first ``n`` tokens of the block the model drafter drafted for this very row (none when the
@@ -247,17 +256,10 @@ class DraftPolicy:
 
     def _lookup(self, req: Request, n: int) -> tuple[int, ...]:
         """Up to ``n`` tokens by prompt lookup (``engine.ngram.propose``'s rule over prompt + output) from
-        the request's own index, which takes in only the tokens added since its last draft; under a grammar,
-        the tokens it forces when they are more (``forced_tokens``: a schema's keys and punctuation, which
-        the prompt need not hold)."""
+        the request's own index, which takes in only the tokens added since its last draft."""
         if req.ngram is None:
             req.ngram = SuffixIndex(self.min_n, self.max_n, self.window)
-        draft = req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
-        if req.sampler.constraint is None:
-            return draft
-        draft = draft[:allowed_prefix(req.sampler, draft)]
-        forced = forced_tokens(req.sampler, n)
-        return forced if len(forced) > len(draft) else draft
+        return req.ngram.propose(req.prompt_ids, req.output_ids, k=n)
 
     def _length(self, req: Request, max_model_len: int, want: int | None = None, bar: float = 0.0) -> int:
         """The longest draft worth verifying for ``req``: ``want``, by default ``rows_that_pay`` of its rate
@@ -321,6 +323,14 @@ def record(req: Request, drafted: int, accepted: int, expected: float | None = N
     if expected is not None:
         req.survival_hits = SURVIVAL_DECAY * req.survival_hits + accepted
         req.survival_expected = SURVIVAL_DECAY * req.survival_expected + expected
+
+
+def refused(req: Request) -> None:
+    """A draft the request's grammar refused from its first token (never verified): into the rate as a draft
+    stopped at its first row, outside the verify figures (nothing was verified)."""
+    req.draft_hits = RATE_DECAY * req.draft_hits
+    req.draft_stops = RATE_DECAY * req.draft_stops + 1
+    req.draft_rate = req.draft_hits / (req.draft_hits + req.draft_stops)
 
 
 def count_draft(req: Request, draft: tuple[int, ...], accepted: int, spec: Counter) -> None:
