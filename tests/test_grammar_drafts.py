@@ -49,6 +49,11 @@ def _oracle_mask(history: list[int], **request) -> tuple[torch.Tensor, bool]:
     return bm[0], ok
 
 
+def _bits(row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A bitmask row as ``[vocab]`` bool, bit by bit (token t is bit t % 32 of word t // 32)."""
+    return torch.tensor([bool((int(row[t // 32]) >> (t % 32)) & 1) for t in range(vocab)])
+
+
 def _masks(states: list[SamplerState], vocab: int) -> torch.Tensor:
     return torch.isfinite(constrain(torch.zeros(len(states), vocab), states))
 
@@ -72,14 +77,13 @@ def test_each_draft_row_is_masked_as_a_fresh_matcher_fed_its_history(tail):
         if not ok:
             read = i  # the row after the first refused token is never read
             break
-        allowed = torch.tensor([bool((int(want[t // 32]) >> (t % 32)) & 1) for t in range(comp.vocab_size)])
-        assert torch.equal(got[1 + i], allowed), i
+        assert torch.equal(got[1 + i], _bits(want, comp.vocab_size)), i
     assert (read < len(draft) + 1) == (tail == "refused")
     assert s.constraint.num_tokens == len(out)  # rolled back to the committed output
     # the committed output goes on from there as if nothing had been drafted
     want, _ = _oracle_mask(out, response_format=SCHEMA)
     again = _masks([s], comp.vocab_size)[0]
-    assert torch.equal(again, torch.tensor([bool((int(want[t // 32]) >> (t % 32)) & 1) for t in range(comp.vocab_size)]))
+    assert torch.equal(again, _bits(want, comp.vocab_size))
 
 
 def test_allowed_prefix_cuts_a_draft_where_the_grammar_refuses_and_leaves_the_matcher():

@@ -27,8 +27,10 @@ spent either way, is verified by its survival estimates like any other block).
 Every decoder may draft: penalties, ``min_tokens`` bans, grammars and reasoning budgets are rebuilt per
 draft row from the history (``engine.drafted``, ``engine.constraints``), and a draft is cut before the first
 token the request's grammar or reasoning budget refuses (``allowed_prefix``: such a token and every row
-after it would be rejected). Drafts are verified exactly; everybody else decodes normally beside them. A draft never holds an image sentinel
-id (proposals copied from a prompt's image block end before it): image blocks come only from prompts.
+after it would be rejected); under a grammar the tokens it forces are drafted whatever the rate
+(``_forced``). Drafts are verified exactly; everybody else decodes normally beside them. A draft never
+holds an image sentinel id (proposals copied from a prompt's image block end before it): image blocks
+come only from prompts.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class DraftPolicy:
         """Up to ``n`` tokens ``req``'s grammar forces next (a schema's keys and punctuation; ``forced_tokens``):
         a draft whatever the request's rate, as a row the grammar leaves one choice is accepted whenever the
         model writes the grammar's own tokenization, so it pays wherever any row does (the step's bar below
-        the limit, checked before). None without a grammar, or where ``forced`` is off."""
+        the limit, checked before). Nothing without a grammar, or where ``forced`` is off."""
         if not self.forced or req.sampler.constraint is None or n <= 0:
             return ()
         return forced_tokens(req.sampler, n)
