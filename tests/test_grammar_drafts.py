@@ -178,6 +178,10 @@ def test_forced_tokens_are_what_the_grammar_forces_after_the_committed_output():
     assert forced_tokens(_state(None, [1, 2]), 8) == ()
     thinking = _state(matcher(thinking=True, response_format=SCHEMA), tok.encode_text("hm"))
     assert forced_tokens(thinking, 8) == ()  # inside the reasoning the grammar does not apply yet
+    spent = _state(matcher(thinking=True, response_format=SCHEMA), tok.encode_text("hm"), max_reasoning_tokens=2)
+    got = forced_tokens(spent, 64)  # the budget is spent: </think>, then the answer's forced start
+    assert got[0] == tok.think_end_id and tok.decode(list(got[1:])) == '{"name": "'
+    assert spent.constraint.num_tokens == len(spent.output_ids) and spent.constraint.in_reasoning
 
 
 @pytest.mark.parametrize("method", ["ngram", "dspark"])

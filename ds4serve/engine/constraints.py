@@ -162,7 +162,8 @@ def allowed_prefix(state: Any, draft: Sequence[int]) -> int:
 def forced_tokens(state: Any, limit: int) -> tuple[int, ...]:
     """Up to ``limit`` tokens the request's grammar forces after its committed output (none without a
     grammar): a draft that is accepted whenever the model writes the grammar's own tokenization of the
-    forced text (the only one a small vocabulary has; another tokenization rejects the rest, exactly)."""
+    forced text (the only one a small vocabulary has; another tokenization rejects the rest, exactly).
+    A reasoning budget that is spent forces ``</think>`` first, then what the answer's grammar forces."""
     c = state.constraint
     if c is None or limit <= 0:
         return ()
@@ -170,5 +171,13 @@ def forced_tokens(state: Any, limit: int) -> tuple[int, ...]:
         sync(c, state.output_ids)
     except ConstraintViolation:
         return ()
-    forced = c.forced(limit)
+    budget = state.params.max_reasoning_tokens
+    if c.in_reasoning and budget is not None and len(state.output_ids) >= budget and c.think_end_id is not None:
+        c.accept(c.think_end_id)
+        try:
+            forced = (c.think_end_id, *c.forced(limit - 1))
+        finally:
+            c.rollback(1)
+    else:
+        forced = c.forced(limit)
     return forced[:allowed_prefix(state, forced)]
