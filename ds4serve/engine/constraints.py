@@ -114,15 +114,28 @@ def _fill_round(bitmask: torch.Tensor, batch: Sequence[tuple[int, int]], states:
     fill_bitmasks([states[i].constraint for _, i in batch], part)
     for (_, i), row in zip(batch, part):
         s, c = states[i], states[i].constraint
-        if not c.in_reasoning:
-            continue
-        budget = s.params.max_reasoning_tokens
-        if budget is not None and len(s.output_ids) >= budget:  # the budget: only </think> may come next
+        rule = _reasoning_rule(c, s.params.max_reasoning_tokens, len(s.output_ids))
+        if rule == THINK_END:
             allow_only(row, c.think_end_id)
-        elif c.has_grammar:  # the constrained answer must come: no end of sequence inside the reasoning
+        elif rule == NO_EOS:
             forbid(row, c.eos_id)
     if part is not bitmask:
         bitmask[places] = part
+
+
+THINK_END, NO_EOS = "think_end", "no_eos"
+
+
+def _reasoning_rule(c: Constraint, budget: int | None, index: int) -> str | None:
+    """What the reasoning adds to the grammar at output ``index``: ``THINK_END`` (the budget is spent: only
+    ``</think>`` may come), ``NO_EOS`` (the constrained answer must come: no end of sequence inside the
+    reasoning) or None. The masks (``_fill_round``) and the drafts (``allowed_prefix``, ``forced_tokens``)
+    read this one rule."""
+    if not c.in_reasoning:
+        return None
+    if budget is not None and index >= budget:
+        return THINK_END
+    return NO_EOS if c.has_grammar else None
 
 
 def _settle(rows: Sequence[int], states: Sequence[Any]) -> None:
@@ -148,9 +161,9 @@ def allowed_prefix(state: Any, draft: Sequence[int]) -> int:
     budget, n = state.params.max_reasoning_tokens, 0
     try:
         for k, token in enumerate(draft, start=len(state.output_ids)):
-            if c.in_reasoning and ((budget is not None and k >= budget and token != c.think_end_id)
-                                   or (c.has_grammar and token == c.eos_id)):
-                break  # what ``_fill_round`` would mask at this row
+            rule = _reasoning_rule(c, budget, k)
+            if (rule == THINK_END and token != c.think_end_id) or (rule == NO_EOS and token == c.eos_id):
+                break  # what ``_fill_round`` masks at this row
             if not c.accept(int(token)):
                 break
             n += 1
@@ -171,8 +184,7 @@ def forced_tokens(state: Any, limit: int) -> tuple[int, ...]:
         sync(c, state.output_ids)
     except ConstraintViolation:
         return ()
-    budget = state.params.max_reasoning_tokens
-    if c.in_reasoning and budget is not None and len(state.output_ids) >= budget and c.think_end_id is not None:
+    if _reasoning_rule(c, state.params.max_reasoning_tokens, len(state.output_ids)) == THINK_END:
         c.accept(c.think_end_id)
         try:
             forced = (c.think_end_id, *c.forced(limit - 1))
