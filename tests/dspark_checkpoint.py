@@ -34,10 +34,11 @@ class DraftTensors:
     reference: dict[str, torch.Tensor]  # the same tensors as fp32 values, by weight name
 
 
-def build_trunk(root: Path) -> Path:
-    """Config C's random reference model, re-saved with official names (the trunk under the drafter)."""
-    model = build_hf_model(CONFIG_C_HF, seed=0, extra_random=True)
-    return write_official(save_hf(model, root / "hf"), root / "official", CONFIG_C_OFFICIAL)
+def build_trunk(root: Path, **overrides) -> Path:
+    """Config C's random reference model, re-saved with official names (the trunk under the drafter);
+    ``overrides`` change keys both dialects share (``o_groups=2``: a trunk that splits over two ranks)."""
+    model = build_hf_model(CONFIG_C_HF | overrides, seed=0, extra_random=True)
+    return write_official(save_hf(model, root / "hf"), root / "official", CONFIG_C_OFFICIAL | overrides)
 
 
 def dspark_config(stages: int = 3, **overrides) -> dict:

@@ -109,13 +109,14 @@ def _experts(out: dict, p: str, n_exp: int, inter: int, d: int, gen: torch.Gener
 
 def write_mtp_checkpoint(base: Path, out: Path, seed: int = 0, quantized: bool = True,
                          edit: Callable[[dict], None] | None = None,
-                         config_edit: Callable[[dict], None] | None = None) -> Path:
+                         config_edit: Callable[[dict], None] | None = None, **overrides) -> Path:
     """``base`` (an official-layout config C checkpoint) plus ``mtp.0.*`` into ``out``; ``edit`` /
-    ``config_edit`` change the tensors / config before they are written (the loader's error tests)."""
+    ``config_edit`` change the tensors / config before they are written (the loader's error tests);
+    ``overrides``: the config keys ``base`` was built with (``build_trunk``'s), for the block too."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(base / "model.safetensors"))
-    tensors.update(mtp_tensors(MTP_CONFIG, seed, quantized))
-    config = json.loads(json.dumps(MTP_CONFIG))
+    tensors.update(mtp_tensors(MTP_CONFIG | overrides, seed, quantized))
+    config = json.loads(json.dumps(MTP_CONFIG | overrides))
     if edit is not None:
         edit(tensors)
     if config_edit is not None:
@@ -123,3 +124,17 @@ def write_mtp_checkpoint(base: Path, out: Path, seed: int = 0, quantized: bool =
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def write_byte_tokenizer(ckpt: Path) -> Path:
+    """A byte tokenizer (``ds4serve.tiny.byte_tokenizer``) padded with placeholder tokens up to the
+    checkpoint's vocabulary, into ``ckpt``: a server then decodes every id the random model writes."""
+    from tokenizers import AddedToken
+
+    from ds4serve.tiny.byte_tokenizer import build_byte_tokenizer
+
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    tok = build_byte_tokenizer()
+    tok.add_tokens([AddedToken(f"<id{i}>", normalized=False) for i in range(tok.get_vocab_size(), vocab)])
+    tok.save(str(ckpt / "tokenizer.json"))
+    return ckpt

@@ -182,10 +182,40 @@ def test_a_lost_rank_stops_the_server_with_a_clear_error(how, caplog):
                     os.kill(worker.pid, signal.SIGKILL)
 
 
-def test_the_mtp_block_is_refused_under_tensor_parallelism_naming_it():
-    from ds4serve.config import ConfigError
-    from ds4serve.runtime.speculation import draft_policy
-    from ds4serve.settings import SpeculativeConfig
+@pytest.fixture(scope="module")
+def mtp_splittable(tmp_path_factory):
+    """A random config C trunk with two output groups (o_groups 1 does not split over two ranks), its random
+    MTP block, and a byte tokenizer padded to the vocabulary (so the server decodes every id)."""
+    from dspark_checkpoint import build_trunk
+    from mtp_checkpoint import write_byte_tokenizer, write_mtp_checkpoint
 
-    with pytest.raises(ConfigError, match="MTP block does not run under tensor parallelism"):
-        draft_policy(None, SpeculativeConfig(method="mtp", num_speculative_tokens=2), None, tensor_parallel=True)
+    root = tmp_path_factory.mktemp("mtp_tp")
+    ckpt = write_mtp_checkpoint(build_trunk(root, o_groups=2), root / "ckpt", o_groups=2)
+    return write_byte_tokenizer(ckpt)
+
+
+def _mtp_answers(path, parallel: ParallelSettings | None, speculative: str | None):
+    """Greedy completions of the repeating prompt, their tokens, and the drafted-token total."""
+    import httpx
+
+    settings = SETTINGS | ({"speculative": speculative} if speculative else {})
+    with serve(path, random_weights=False, settings=settings, parallel=parallel) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0)
+        choices = [client.completions.create(model="tiny", prompt=ECHO[i:], max_tokens=30, temperature=0, logprobs=1,
+                                             extra_body={"ignore_eos": True}).choices[0] for i in range(4)]
+        metrics = httpx.get(srv.base + "/metrics", timeout=30).text
+        assert srv.loop.call(lambda core: core.leaks()) == ""
+    line = [x for x in metrics.splitlines() if x.startswith("ds4serve_spec_decode_num_draft_tokens_total")]
+    return [(c.text, c.logprobs.tokens) for c in choices], float(line[0].split()[-1]) if line else 0.0
+
+
+def test_mtp_drafts_under_two_ranks_answer_as_one_plain_process(mtp_splittable):
+    """The serial MTP block runs whole on rank 0 over the last layer's full rows (its own layers reduce
+    nothing); its blocks are verified in the two ranks' step and the rejected rows rolled back on both, so
+    two ranks with MTP drafts give one plain process's tokens. (A random block's drafts are rejected: the
+    accepted side of the agreement is the n-gram and DSpark tests'.)"""
+    plain, _ = _mtp_answers(mtp_splittable, None, None)
+    got, drafted = _mtp_answers(mtp_splittable, ParallelSettings(2, False, timeout_s=60),
+                                '{"method": "mtp", "num_speculative_tokens": 2}')
+    assert got == plain and all(len(tokens) == 30 for _, tokens in plain)
+    assert drafted > 0

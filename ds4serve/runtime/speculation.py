@@ -8,8 +8,9 @@ stop start-up with an error naming them) and run by the engine with every step
 the rings (``cache/draft_rows.py``), and their length budgeted by load. ``auto`` runs the drafter the
 checkpoint ships, and says so; a method the checkpoint cannot run is a start-up error, never a silent
 fallback. Under tensor parallelism rank 0 samples and verifies, and every rank rolls back the rejected rows
-(agreed in one all-reduce: ``Collectives.agree``); DSpark runs whole on rank 0, which reads the target layers'
-full hidden rows after their all-reduces (its own weights are not sharded); MTP is refused there (untested).
+(agreed in one all-reduce: ``Collectives.agree``); a checkpoint drafter runs whole on rank 0, which reads the
+target's full hidden rows after their all-reduces (DSpark's target layers, MTP's last layer; the drafter's own
+weights are not sharded, and its own layers reduce nothing).
 """
 
 from __future__ import annotations
@@ -52,12 +53,10 @@ def draft_policy(cfg: ModelConfig, spec: SpeculativeConfig | str | None, cache: 
             return None
         log.info("speculative decoding auto: the checkpoint ships a %s drafter", found)
         spec = SpeculativeConfig(method=found, num_speculative_tokens=AUTO_TOKENS[found])
-    if tensor_parallel and spec.method == "mtp":
-        raise ConfigError("--speculative-config: the MTP block does not run under tensor parallelism yet (not "
-                          "tested there); DSpark and n-gram drafts do, or --tensor-parallel-size 1")
-    if tensor_parallel and spec.method == "dspark":
-        log.info("speculative decoding under tensor parallelism: the DSpark drafter runs whole on rank 0 (its "
-                 "own weights unsharded there; the embedding and head it shares are replicated on every rank)")
+    if tensor_parallel and spec.method in ("dspark", "mtp"):
+        log.info("speculative decoding under tensor parallelism: the %s drafter runs whole on rank 0 (its own "
+                 "weights unsharded there; the embedding and head it shares are replicated on every rank)",
+                 "DSpark" if spec.method == "dspark" else "MTP")
     room = max_draft(cache.state)
     if room < 1:
         raise ConfigError("--speculative-config: this model's smallest state ring has no room for a draft")
