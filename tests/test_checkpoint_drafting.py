@@ -50,13 +50,13 @@ def _compare(path, spec: dict, streams: int, host: str = "on") -> dict:
     return dict(drafted.core.stats.speculation)
 
 
-@pytest.mark.parametrize("streams", [1, 6])
+@pytest.mark.parametrize("streams", [1, 6, 16])
 def test_dspark_drafts_leave_greedy_output_unchanged(dspark_ckpt, streams):
     figures = _compare(dspark_ckpt, {"method": "dspark", "num_speculative_tokens": 5}, streams)
     assert figures.get("drafted_tokens", 0) > 0, figures
 
 
-@pytest.mark.parametrize("streams", [1, 6])
+@pytest.mark.parametrize("streams", [1, 6, 16])
 def test_mtp_drafts_leave_greedy_output_unchanged(mtp_ckpt, streams):
     figures = _compare(mtp_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, streams)
     assert figures.get("drafted_tokens", 0) > 0, figures
