@@ -229,3 +229,24 @@ def test_a_prompt_is_read_by_the_drafter_only_where_drafting_could_pay(dspark_ck
     assert got == plain.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True)
     assert (sum(committed) > 0) == affordable, committed
     assert (core.stats.speculation.get("drafted_tokens", 0) > 0) == affordable
+
+
+def test_an_mtp_block_on_a_vision_checkpoint_stops_start_up_naming_it(tmp_path):
+    """The serial MTP block is text-only (DeepSeek-V4-Flash ships it; the vision checkpoint ships DSpark):
+    the bundled DS4V model with a random MTP block beside it is refused, naming the vision field."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ds4serve.tiny.random_model import BUNDLED
+    from mtp_checkpoint import mtp_tensors
+
+    for f in BUNDLED.iterdir():
+        if f.is_file() and f.name != "drafter.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    config = {k: v for k, v in json.loads((BUNDLED / "config.json").read_text()).items() if not k.startswith("dspark_")}
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    save_file({k: v.contiguous() for k, v in mtp_tensors(config, quantized=False).items()}, str(tmp_path / "mtp.safetensors"))
+    for spec in ('{"method": "mtp"}', "auto"):
+        with pytest.raises(ConfigError, match="vision_n_layers.*text-only"):
+            LLM(tmp_path, max_seqs=2, warmup=False, speculative=spec)
