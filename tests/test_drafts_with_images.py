@@ -1,8 +1,8 @@
 """The bundled DS4V model's DSpark drafter in the server, 16 chat requests at once, half of them with an
 image (issue 28: "greedy output equals plain decoding at concurrency 16, text and images mixed"). The
-drafter reads the image rows of the prompts it follows (their captured hidden rows, the image ids in its
-own rings); no draft holds an image id and no image block is drafted (blocks start after the prompt), so
-the answers are the plain server's, token for token, while drafts are verified beside the image prefills."""
+drafter follows the prompts' rows, image blocks included, and drafts only after them (a draft never holds
+an image id), so the answers must be the plain server's, token for token, while drafts are verified in
+the same steps as the image prefills."""
 
 from __future__ import annotations
 
