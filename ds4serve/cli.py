@@ -37,6 +37,7 @@ _ENGINE_FLAGS = {
                        "applies: host, float32, one process), on (fail where it cannot), off (the torch path)"),
     "--moe-activations": ("moe_activations", str, "packed MXFP4 experts multiply int8 (as llama.cpp) or fp32 inputs"),
     "--head-activations": ("head_activations", str, "a bf16 LM head multiplies bf16 (auto: with AVX-512 BF16) or fp32 inputs"),
+    "--fp8-activations": ("fp8_activations", str, "FP8 projections multiply bf16 (auto: with AVX-512 BF16 + VBMI) or fp32 inputs"),
     "--image-rows-budget": ("image_rows_budget", str, "memory for retained image rows (e.g. 512MiB)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool, "reuse the state of prompt prefixes seen before "
                                 "(vLLM's flag; --no-enable-prefix-caching turns it off)"),

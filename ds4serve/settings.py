@@ -52,8 +52,10 @@ def parse_bytes(value: str | int | None, name: str) -> int | None:
 HOST_KERNEL_MODES = ("auto", "on", "off")
 MOE_ACTIVATION_MODES = ("auto", "int8", "fp32")  # model/host_q8.py MOE_ACTIVATIONS (a test holds them equal)
 HEAD_ACTIVATION_MODES = ("auto", "bf16", "fp32")  # model/host_pairs.py HEAD_ACTIVATIONS (likewise)
+FP8_ACTIVATION_MODES = ("auto", "bf16", "fp32")  # model/host_f8pairs.py FP8_ACTIVATIONS (likewise)
+# settings fields with a fixed set of values (cli)
 ENGINE_CHOICES = {"host_kernels": HOST_KERNEL_MODES, "moe_activations": MOE_ACTIVATION_MODES,
-                  "head_activations": HEAD_ACTIVATION_MODES}  # settings fields with a fixed set of values (cli)
+                  "head_activations": HEAD_ACTIVATION_MODES, "fp8_activations": FP8_ACTIVATION_MODES}
 PACKED_MODES = ("auto", "on", "off")  # serve --packed-experts (runtime.capacity.choose_packed_experts)
 
 
@@ -154,6 +156,10 @@ class EngineSettings:
     # (host_pairs.c, as llama.cpp does), "fp32" multiplies the fp32 rows (exactly the dequantised head);
     # "auto": bf16 where the CPU has AVX-512 BF16
     head_activations: str = "auto"
+    # FP8 projections in the native forward: "bf16" rounds their input rows to bf16 and adds bf16 pairs
+    # of the decoded codes (host_f8pairs.c), "fp32" multiplies the fp32 rows (exactly the dequantised
+    # weights); "auto": bf16 where the CPU has AVX-512 BF16 and VBMI
+    fp8_activations: str = "auto"
     # prefix cache (cache/prefix.py): content-keyed shared pages + ring snapshots every ``prefix_interval``
     # prompt tokens, at the end of every prompt and output; budget: bytes (default: a share of the pool)
     enable_prefix_caching: bool = True
@@ -185,6 +191,8 @@ class EngineSettings:
              f"moe_activations must be one of {', '.join(MOE_ACTIVATION_MODES)}"),
             (self.head_activations in HEAD_ACTIVATION_MODES,
              f"head_activations must be one of {', '.join(HEAD_ACTIVATION_MODES)}"),
+            (self.fp8_activations in FP8_ACTIVATION_MODES,
+             f"fp8_activations must be one of {', '.join(FP8_ACTIVATION_MODES)}"),
         ]
         for ok, msg in checks:
             if not ok:

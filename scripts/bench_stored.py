@@ -8,6 +8,7 @@ alternation within the same minute (A, B, A, B, ...) and the ratio of each pair,
     python scripts/bench_stored.py --old /tmp/old_csrc            # old csrc dir vs the package's csrc
     python scripts/bench_stored.py --old /tmp/old_csrc --march znver3 --rows 8 --shapes 4096
     python scripts/bench_stored.py --rows 1 8 --head               # the new build alone, with the head
+    python scripts/bench_stored.py --old ds4serve/model/csrc --old-fmt 1 --fmt 4   # FP8 on bf16 pairs vs fp32
 
 Prints, per (shape, rows, threads): ms per product (wall), G weights/s (weights read per second, one pass over
 the weight), GB/s (bytes of weights and scales read), GFLOP/s (2 M K N per second), GFLOP per CPU-second (all threads; the steadier figure on a shared machine,
@@ -116,6 +117,9 @@ def main() -> None:
     ap.add_argument("--head-pairs", action="store_true", help="also the bf16 head on bf16-rounded rows (fmt 3)")
     ap.add_argument("--pairs", type=int, default=3, help="old/new alternations per case")
     ap.add_argument("--max-flop", type=float, default=4e10, help="skip cases above this many FLOP a call")
+    ap.add_argument("--fmt", type=int, choices=[1, 4], default=1,
+                    help="the new build's FP8 kind: 1 on fp32 rows (host_stored.c), 4 on bf16 rows (host_f8pairs.c)")
+    ap.add_argument("--old-fmt", type=int, choices=[1, 4], default=1, help="... the old build's")
     ap.add_argument("--by", choices=["wall", "cpu"], default="wall", help="the time the ratios compare")
     a = ap.parse_args()
     a.by = 0 if a.by == "wall" else 1
@@ -141,6 +145,8 @@ def main() -> None:
                 got = {name: [] for name in libs}
                 for _ in range(a.pairs if a.old else 1):
                     for name, lib in libs.items():
+                        if kind == "fp8":
+                            w.fmt = a.fmt if name == "new" else a.old_fmt
                         got[name].append(time_one(lib, x, w, n, y, t, reps))
                 s = min(g[0] for g in got["new"])
                 line = (f"{kind} K={a.k} N={n:6d} M={m:3d} T={t}: {s * 1e3:8.2f} ms  {a.k * n / s / 1e9:6.2f} Gw/s  "

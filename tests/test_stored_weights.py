@@ -193,10 +193,11 @@ def test_the_torch_path_over_stored_weights_equals_dequantise_at_load(flash_dir)
 
 
 def test_native_forward_over_stored_weights_equals_the_torch_path(flash_dir):
-    """Experts and the head on fp32 activations: the int8 experts and the bf16-pair head (the defaults where
-    they apply, test_host_q8 and test_host_pairs) are close, not equal."""
+    """Experts, head and FP8 projections on fp32 activations: the int8 experts, the bf16-pair head and the
+    FP8 bf16-pair projections (the defaults where they apply, test_host_q8, test_host_pairs and
+    test_host_f8pairs) are close, not equal."""
     fast = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="on",
-               moe_activations="fp32", head_activations="fp32")
+               moe_activations="fp32", head_activations="fp32", fp8_activations="fp32")
     slow = LLM(flash_dir, max_seqs=4, packed_experts=True, stored_weights=True, host_kernels="off")
     assert fast.core.executor.host is not None and slow.core.executor.host is None
     cfg = fast.cfg

@@ -106,11 +106,12 @@ def _warn_spin_once() -> None:
 class Executor:
     def __init__(self, cfg: ModelConfig, model: DS4ForCausalLM, cache: CacheManager, decode_graphs: str = "off",
                  sample: bool = True, host_kernels: str = "off", moe_activations: str = "auto",
-                 head_activations: str = "auto"):
+                 head_activations: str = "auto", fp8_activations: str = "auto"):
         """``sample`` False: a tensor-parallel worker, which runs the forwards but leaves sampling
         (and so the LM head) to rank 0. ``host_kernels``: text forwards as one native call where that
-        applies (``EngineSettings.host_kernels``); ``moe_activations`` / ``head_activations``: how it
-        multiplies packed MXFP4 experts and a bf16 LM head (``EngineSettings``)."""
+        applies (``EngineSettings.host_kernels``); ``moe_activations`` / ``head_activations`` /
+        ``fp8_activations``: how it multiplies packed MXFP4 experts, a bf16 LM head and FP8 projections
+        (``EngineSettings``)."""
         self.cfg = cfg
         self.sample = sample
         self.model = model
@@ -121,7 +122,7 @@ class Executor:
         state = cache.state
         self.decode = DecodeRunner(resolve_mode(decode_graphs, self.device), self._decode_forward, cache.n_slots,
                                    cfg.sliding_window, {m: state.scratch_row(m) for m in cfg.distinct_ratios})
-        self.host = self._host_forward(host_kernels, moe_activations, head_activations)
+        self.host = self._host_forward(host_kernels, moe_activations, head_activations, fp8_activations)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
         # tensor parallel: how every rank learns the accepted drafts of a step, whose sampling is rank 0's
@@ -133,11 +134,12 @@ class Executor:
         against their own ``q`` (decode graphs are not used with it: their fixed forward has no split)."""
         self.drafts, self.capture = drafts, drafts.plan
 
-    def _host_forward(self, mode: str, moe_activations: str, head_activations: str) -> HostForward | None:
+    def _host_forward(self, mode: str, moe_activations: str, head_activations: str,
+                      fp8_activations: str) -> HostForward | None:
         if mode == "off" or self.model is None:
             return None
         host, why = HostForward.create(self.cfg, self.model, self.cache.state.layers, moe_activations,
-                                       head_activations)
+                                       head_activations, fp8_activations)
         if host is None:
             if mode == "on":
                 raise RuntimeError(f"host_kernels='on', but the native forward cannot run here: {why}")
@@ -151,6 +153,11 @@ class Executor:
             if host.head_activations == "bf16":
                 log.info("the bf16 LM head multiplies bf16-rounded rows (%s; --head-activations fp32 for the "
                          "fp32 rows' exact products)", host.lib.ds4_p16_kernel().decode())
+            if host.fp8_pairs:
+                log.info("%d FP8 projections multiply bf16-rounded rows (%s; --fp8-activations fp32 for the "
+                         "dequantised weights' exact products)%s", len(host.fp8_pairs),
+                         host.lib.ds4_f8p_kernel().decode(),
+                         f"; {len(host.fp8_kept)} keep fp32 rows ({host.fp8_kept[0]}, ...)" if host.fp8_kept else "")
             _warn_spin_once()
         return host
 

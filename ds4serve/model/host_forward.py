@@ -31,7 +31,7 @@ from torch import nn
 from ..config import AttnKind, ModelConfig
 from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
-from . import host_pairs, host_q8
+from . import host_f8pairs, host_pairs, host_q8
 from .host_support import kn_store, kn_stored, packed_unsupported as _packed_unsupported, \
     stored_unsupported as _stored_unsupported
 from .batch import BatchView, LayerState
@@ -103,6 +103,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_build_info.restype = ctypes.c_char_p
     host_q8.bind(lib)
     host_pairs.bind(lib)
+    host_f8pairs.bind(lib)
     lib.ds4_abi_names.restype = ctypes.c_char_p
     lib.ds4_abi.argtypes = [POINTER(c_int64), c_int64]
     lib.ds4_abi.restype = c_int64
@@ -167,9 +168,12 @@ class HostForward:
 
     def __init__(self, cfg: ModelConfig, model: nn.Module, states: list[LayerState], lib: ctypes.CDLL,
                  moe_activations: str = "fp32",  # "int8": packed experts interleaved for host_q8.c
-                 head_activations: str = "fp32"):  # "bf16": a bf16 head on bf16-rounded rows (host_pairs.c)
+                 head_activations: str = "fp32",  # "bf16": a bf16 head on bf16-rounded rows (host_pairs.c)
+                 fp8_activations: str = "fp32"):  # "bf16": FP8 projections on bf16-rounded rows (host_f8pairs.c)
         self.cfg, self.lib, self.moe_activations = cfg, lib, moe_activations
-        self.head_activations = head_activations
+        self.head_activations, self.fp8_activations = head_activations, fp8_activations
+        self.fp8_pairs: list[StoredWeight] = []  # FP8 weights on the pair product (what f8p_disagrees probes)
+        self.fp8_kept: list[str] = []  # ... and why others stay on host_stored.c's fp32 product
         self.vw = lib.ds4_vector_width()
         self._keep: list[torch.Tensor] = []  # every tensor a pointer was taken from
         self._q8_stacks: list[PackedExperts] = []  # stacks the int8 product reads, in layer order
@@ -195,9 +199,11 @@ class HostForward:
 
     @classmethod
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
-               moe_activations: str = "auto", head_activations: str = "auto") -> tuple["HostForward | None", str]:
+               moe_activations: str = "auto", head_activations: str = "auto",
+               fp8_activations: str = "auto") -> tuple["HostForward | None", str]:
         """The decoder, or ``(None, why not)``; ``moe_activations``: ``host_q8.choose_moe_activations``;
-        ``head_activations``: ``host_pairs.choose_head_activations``."""
+        ``head_activations``: ``host_pairs.choose_head_activations``; ``fp8_activations``:
+        ``host_f8pairs.choose_fp8_activations``."""
         lib = library()
         if lib is None:
             return None, f"the kernels could not be built ({_library.failure})"
@@ -206,7 +212,8 @@ class HostForward:
             return None, why
         mode = host_q8.choose_moe_activations(model, moe_activations, lib.ds4_limits)
         head = host_pairs.choose_head_activations(model, head_activations, lib)
-        return cls(cfg, model, states, lib, mode, head), ""
+        fp8 = host_f8pairs.choose_fp8_activations(model, fp8_activations, lib)
+        return cls(cfg, model, states, lib, mode, head, fp8), ""
 
     def q8_disagrees(self) -> str | None:  # the int8 product on the first layer's stacks (host_q8)
         return host_q8.q8_disagrees(self.lib, self._q8_stacks[:2])
@@ -214,6 +221,9 @@ class HostForward:
     def p16_disagrees(self) -> str | None:  # the bf16-pair head product against its definition (host_pairs)
         head = self._bf16_head
         return None if self.head_activations != "bf16" or head is None else host_pairs.p16_disagrees(self.lib, head)
+
+    def f8p_disagrees(self) -> str | None:  # the FP8 bf16-pair product against its definition (host_f8pairs)
+        return host_f8pairs.f8p_disagrees(self.lib, self.fp8_pairs[0]) if self.fp8_pairs else None
 
     def _head(self, w: torch.Tensor | StoredWeight) -> _Weight:
         """The LM head's descriptor: ``_weight``'s, on bf16-rounded rows where ``head_activations`` says."""
@@ -350,7 +360,15 @@ class HostForward:
             w.data = kn_store(w.data)
         scales = w.scales.contiguous()
         self._keep += [w.data, scales]
-        return _Weight(None, w.data.stride(1), 1, 1, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
+        fmt = 1
+        if self.fp8_activations == "bf16":
+            why = host_f8pairs.takes(w)
+            if why is None:
+                fmt = host_f8pairs.FMT_F8_PAIRS
+                self.fp8_pairs.append(w)
+            else:
+                self.fp8_kept.append(f"{w.name}: {why}")
+        return _Weight(None, w.data.stride(1), 1, fmt, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
                        scales.shape[1], scales.shape[0])
 
     def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:

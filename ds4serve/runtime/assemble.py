@@ -128,7 +128,8 @@ def _engine(cfg: ModelConfig, model: DS4ForCausalLM | None, cache: CacheManager,
     if s.decode_graphs == "cuda" and device.type != "cuda":
         raise ConfigError("decode_graphs='cuda' needs a CUDA device")
     return Executor(cfg, model, cache, decode_graphs=s.decode_graphs, host_kernels=s.host_kernels,
-                    moe_activations=s.moe_activations, head_activations=s.head_activations)
+                    moe_activations=s.moe_activations, head_activations=s.head_activations,
+                    fp8_activations=s.fp8_activations)
 
 
 def _log_sizes(parts: EngineParts, layout: StateLayout) -> None:

@@ -107,6 +107,10 @@ HOST_TOLERANCE_INT8 = 0.25
 # then differ from the fp32 head's by ~1e-3 of their scale (random signs over 4096 inputs). So the logits
 # are checked loosely, and the product itself bit for bit against its definition (HostForward.p16_disagrees).
 HOST_TOLERANCE_BF16_HEAD = 0.02
+# FP8 projections on bf16-rounded rows (host_f8pairs.c) move every projection's inputs by up to 2^-9 of
+# themselves, layer after layer: checked as loosely as the int8 experts, and the product itself bit for
+# bit against its definition (HostForward.f8p_disagrees).
+HOST_TOLERANCE_BF16_FP8 = 0.25
 
 
 def check_host(parts: EngineParts) -> None:
@@ -131,8 +135,10 @@ def check_host(parts: EngineParts) -> None:
         ids = tuple(3 + i % max(1, parts.cfg.vocab_size - 3) for i in range(n))
         int8 = host.moe_activations == "int8"
         tol = HOST_TOLERANCE_INT8 if int8 else HOST_TOLERANCE
+        if host.fp8_pairs:  # every projection's inputs move by up to 2^-9: the whole forward, loosely
+            tol = max(tol, HOST_TOLERANCE_BF16_FP8)
         head_tol = max(tol, HOST_TOLERANCE_BF16_HEAD) if host.head_activations == "bf16" else tol
-        problem = (host.q8_disagrees() if int8 else None) or host.p16_disagrees() or \
+        problem = (host.q8_disagrees() if int8 else None) or host.p16_disagrees() or host.f8p_disagrees() or \
             engine.host_disagrees([SeqChunk(slot, 0, ids, cache.block_table(slot))], "a prefill chunk",
                                   tol, head_tolerance=head_tol) or \
             engine.host_disagrees([SeqChunk(slot, n, (ids[-1],), cache.block_table(slot))], "a decode row",

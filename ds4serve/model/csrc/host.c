@@ -9,6 +9,7 @@
 #include "host_kernels.c"
 #include "host_stored.c"
 #include "host_pairs.c"
+#include "host_f8pairs.c"
 #include "host_packed.c"
 #include "host_q8.c"
 #include "host_layers.c"

@@ -146,16 +146,17 @@ typedef struct {  /* a projection weight: [K, N] ("kn", row stride ld, N padded 
     int64_t ld;
     int64_t kn;
     int64_t fmt;          /* 0 fp32 at p; 1 FP8 e4m3 codes at q, [K, N]; 2 bf16 at q, [N, K] (host_stored.c);
-                             3 the same on bf16-rounded inputs (host_pairs.c) */
+                             3 the same on bf16-rounded inputs (host_pairs.c); 4 fmt 1's codes on
+                             bf16-rounded inputs (host_f8pairs.c) */
     const uint8_t *q;
-    const float *scales;  /* fmt 1: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks */
+    const float *scales;  /* fmt 1, 4: [scale_rows, sld] scales of bn x bk (outputs x inputs) blocks */
     int64_t bn, bk, sld, scale_rows;
 } Weight;
 
 /* outputs [n0, ...) of a weight (a group of o_a's block-diagonal rows); an FP8 weight's n0 is a whole
    number of scale blocks (host_forward.py keeps other FP8 weights dequantised) */
 static inline Weight weight_cols(Weight w, int64_t n0) {
-    if (w.fmt == 1) {
+    if (w.fmt == 1 || w.fmt == 4) {
         w.q += n0;
         w.scales += (n0 / w.bn) * w.sld;
         w.scale_rows -= n0 / w.bn;

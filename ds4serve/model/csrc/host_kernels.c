@@ -240,6 +240,9 @@ static int64_t f8_panel_cap(int64_t M);
 static void p16_tile(const uint16_t *x, int64_t ldx, int mr, int64_t K, const uint8_t *w, int64_t ld, int nr,
                      float *y, int64_t ldy, int alone);
 static void p16_round_rows(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb);
+/* host_f8pairs.c: FP8 [K, N] on bf16-rounded inputs (fmt 4) */
+static void f8p_linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy);
+static int f8p_shape_ok(const Weight *w, int64_t K, int64_t N);
 /* a bf16 [N, K] tile (b16_tile): rows x outputs, every head row decoded once per B16_MR rows: 8 x 3
    accumulators in AVX-512's 32 registers, 6 x 2 in AVX2's 16 (with the 2 weight vectors and the row's: 15);
    one row alone takes B16_NR1 outputs (more rows streaming at once: 3 were 0.90x the 4 before at one row;
@@ -305,6 +308,10 @@ static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
    [K, N] weight is stored padded to whole vectors (host_forward.py), and writes padded(N) columns: the
    caller's ldy makes room for them. */
 static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
+    if (w.fmt == 4) {
+        f8p_linear(x, ldx, M, K, w, N, y, ldy);
+        return;
+    }
     int f8 = w.fmt == 1;
     int row = w.kn && M <= (f8 ? F8_ROWS_THRESHOLD : ROWS_MAX);
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);  /* every thread gets a panel */

@@ -633,9 +633,11 @@ static void b16_row(const uint8_t *table, int64_t row, int64_t D, float *out) {
 }
 
 /* y [M, N] = x [M, K] @ W^T for a Weight of any kind: the tests' and benchmarks' entry point (the
-   forward calls linear() itself). ldy: the row stride of y (padded(N) for fp32 and FP8 [K, N]). */
+   forward calls linear() itself). ldy: the row stride of y (padded(N) for fp32 and FP8 [K, N]). -1: no memory; -2: a
+   shape fmt 4 does not take (host_f8pairs.c). */
 int ds4_linear(const float *x, int64_t M, int64_t K, const Weight *w, int64_t N, float *y, int64_t ldy, int threads) {
     g_threads = threads > 0 ? threads : 1;
+    if (w->fmt == 4 && !f8p_shape_ok(w, K, N)) return -2;
     if (w->fmt == 3) {  /* rows rounded to bf16 first, as ds4_logits does (host_pairs.c) */
         uint16_t *xb = malloc((size_t)(M * K + 1) * 2);
         if (!xb) return -1;
