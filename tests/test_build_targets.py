@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the native batch-invariance, multi-block, packed-expert, prefix-identity and draft-verification tests
 # (speculative decoding promises plain decoding's bits), and every native-vs-torch comparison in those files
 EXACTNESS = ["tests/test_host_forward.py", "tests/test_host_packed.py", "tests/test_host_q8.py", "tests/test_host_pairs.py",
+             "tests/test_host_f8pairs.py",
              "tests/test_stored_weights.py",
              "tests/test_prefix_cache.py", "tests/test_spec_decode.py", "tests/test_capture.py",
              "tests/test_native_dspark.py"]
