@@ -50,9 +50,8 @@ _ENGINE_FLAGS = {
                            "across restarts (None: no disk tier)"),
     "--prefix-cache-disk-bytes": ("prefix_cache_disk_bytes", str, "disk budget of --prefix-cache-dir (e.g. 50GB; "
                                   "None: min(16 GiB, half the free space))"),
-    "--speculative-config": ("speculative", str, "speculative decoding, vLLM's JSON shape, e.g. "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'; auto: the checkpoint\'s drafter '
-                             "if it has one"),
+    "--speculative-config": ("speculative", str, "speculative decoding, vLLM's JSON shape, e.g. '{\"method\": "
+                             "\"ngram\", \"num_speculative_tokens\": 4}'; auto: the checkpoint's drafter if it has one"),
 }
 _SERVER_FLAGS = {
     "--request-timeout": ("request_timeout_s", float, "seconds per request"),

@@ -39,6 +39,20 @@ def takes(w: StoredWeight) -> str | None:
     return None
 
 
+def fmt_for(w: StoredWeight, mode: str, pairs: list[StoredWeight], kept: list[str]) -> int:
+    """The native descriptor's fmt for the FP8 ``w`` under ``mode`` (``choose_fp8_activations``'s answer):
+    ``FMT_F8_PAIRS`` where the pair product takes it (then ``w`` joins ``pairs``), else 1, host_stored.c's
+    fp32 rows (with bf16 asked for, the reason joins ``kept``: the start-up log names it)."""
+    if mode != "bf16":
+        return 1
+    why = takes(w)
+    if why is not None:
+        kept.append(f"{w.name}: {why}")
+        return 1
+    pairs.append(w)
+    return FMT_F8_PAIRS
+
+
 def fp8_weights(model: nn.Module) -> list[StoredWeight]:
     """Every FP8 projection kept at the checkpoint's width, in module order."""
     return [m.weight for m in model.modules()

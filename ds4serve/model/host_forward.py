@@ -172,8 +172,8 @@ class HostForward:
                  fp8_activations: str = "fp32"):  # "bf16": FP8 projections on bf16-rounded rows (host_f8pairs.c)
         self.cfg, self.lib, self.moe_activations = cfg, lib, moe_activations
         self.head_activations, self.fp8_activations = head_activations, fp8_activations
-        self.fp8_pairs: list[StoredWeight] = []  # FP8 weights on the pair product (what f8p_disagrees probes)
-        self.fp8_kept: list[str] = []  # ... and why others stay on host_stored.c's fp32 product
+        self.fp8_pairs: list[StoredWeight] = []  # FP8 weights on the pair product (f8p_disagrees probes one)
+        self.fp8_kept: list[str] = []  # FP8 weights left on fp32 rows with bf16 asked for, and why
         self.vw = lib.ds4_vector_width()
         self._keep: list[torch.Tensor] = []  # every tensor a pointer was taken from
         self._q8_stacks: list[PackedExperts] = []  # stacks the int8 product reads, in layer order
@@ -201,9 +201,8 @@ class HostForward:
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
                moe_activations: str = "auto", head_activations: str = "auto",
                fp8_activations: str = "auto") -> tuple["HostForward | None", str]:
-        """The decoder, or ``(None, why not)``; ``moe_activations``: ``host_q8.choose_moe_activations``;
-        ``head_activations``: ``host_pairs.choose_head_activations``; ``fp8_activations``:
-        ``host_f8pairs.choose_fp8_activations``."""
+        """The decoder, or ``(None, why not)``; the activations' modes: ``choose_*_activations`` in
+        ``host_q8`` (moe), ``host_pairs`` (head) and ``host_f8pairs`` (fp8)."""
         lib = library()
         if lib is None:
             return None, f"the kernels could not be built ({_library.failure})"
@@ -212,8 +211,7 @@ class HostForward:
             return None, why
         mode = host_q8.choose_moe_activations(model, moe_activations, lib.ds4_limits)
         head = host_pairs.choose_head_activations(model, head_activations, lib)
-        fp8 = host_f8pairs.choose_fp8_activations(model, fp8_activations, lib)
-        return cls(cfg, model, states, lib, mode, head, fp8), ""
+        return cls(cfg, model, states, lib, mode, head, host_f8pairs.choose_fp8_activations(model, fp8_activations, lib)), ""
 
     def q8_disagrees(self) -> str | None:  # the int8 product on the first layer's stacks (host_q8)
         return host_q8.q8_disagrees(self.lib, self._q8_stacks[:2])
@@ -360,16 +358,8 @@ class HostForward:
             w.data = kn_store(w.data)
         scales = w.scales.contiguous()
         self._keep += [w.data, scales]
-        fmt = 1
-        if self.fp8_activations == "bf16":
-            why = host_f8pairs.takes(w)
-            if why is None:
-                fmt = host_f8pairs.FMT_F8_PAIRS
-                self.fp8_pairs.append(w)
-            else:
-                self.fp8_kept.append(f"{w.name}: {why}")
-        return _Weight(None, w.data.stride(1), 1, fmt, w.data.data_ptr(), scales.data_ptr(), w.block[0], w.block[1],
-                       scales.shape[1], scales.shape[0])
+        fmt = host_f8pairs.fmt_for(w, self.fp8_activations, self.fp8_pairs, self.fp8_kept)  # 1 or 4 (pairs)
+        return _Weight(None, w.data.stride(1), 1, fmt, w.data.data_ptr(), scales.data_ptr(), *w.block, *scales.shape[::-1])
 
     def _weight(self, param: torch.Tensor | StoredWeight, kn: bool = True, group: int = 0) -> _Weight:
         """A projection weight ``[out, in]`` as the kernels read it best: stored ``[in, out]`` (rows padded
