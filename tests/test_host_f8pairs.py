@@ -157,9 +157,12 @@ def test_the_forward_projections_multiply_bf16_pairs(flash_dir):  # noqa: F811
     got = pairs.generate_with_logprobs(prompts, max_tokens=6, ignore_eos=True, logprobs=2)
     solo = [pairs.generate_with_logprobs([p], max_tokens=6, ignore_eos=True, logprobs=2)[0] for p in prompts]
     assert got == solo
-    # the first token's top logprobs (both forwards saw the same prompt): near, and not the same
-    first = [pairs.generate_with_logprobs([p], max_tokens=1, logprobs=2)[0][1][0] for p in prompts]
-    ref = [exact.generate_with_logprobs([p], max_tokens=1, logprobs=2)[0][1][0] for p in prompts]
-    a = torch.tensor([[lp for _, lp in top] for _, top in first])
-    b = torch.tensor([[lp for _, lp in top] for _, top in ref])
-    assert 0 < float((a - b).abs().max()) < 0.05
+    # the first token's top logprobs (both forwards saw the same prompt), token by token: not the same, and
+    # near (the random test model amplifies the 2^-9 input roundings: up to 0.10 on the x86-64-v2 build's
+    # fp32 side, which has no FMA; a wrong layout moves them by the logprobs' whole spread)
+    diffs = []
+    for p in prompts:
+        top = dict(pairs.generate_with_logprobs([p], max_tokens=1, logprobs=5)[0][1][0][1])
+        ref = dict(exact.generate_with_logprobs([p], max_tokens=1, logprobs=5)[0][1][0][1])
+        diffs += [abs(top[t] - ref[t]) for t in top.keys() & ref.keys()]
+    assert len(diffs) >= 3 and 0 < max(diffs) < 0.25
