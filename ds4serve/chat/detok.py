@@ -2,11 +2,16 @@
 
 ``IncrementalDetokenizer.push(ids)`` returns only text that is final: it re-decodes a short window
 of recent tokens and holds back output that ends in an incomplete UTF-8 sequence (the decoder's
-U+FFFD), so a stream never emits broken characters. ``StopMatcher`` finds stop strings across token
+U+FFFD), so a stream never emits broken characters. Only a sequence that later bytes could still
+complete is held: a byte no continuation can repair (a lone continuation byte, 0xF8, a lead byte
+already followed by a wrong one) stays U+FFFD whatever comes next, so its text goes out at once, as
+llama-server sends it (holding it cost a stream a whole step: one chunk every two tokens there). ``StopMatcher`` finds stop strings across token
 boundaries and holds back text that could still become a stop string.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from .tokenizer import Tokenizer
 
@@ -25,11 +30,21 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         prefix_text = self.tok.decode(self.ids[self._prefix:self._read], self.skip)
         full = self.tok.decode(self.ids[self._prefix:], self.skip)
-        if len(full) > len(prefix_text) and not full.endswith(_REPLACEMENT):
+        if len(full) > len(prefix_text) and not (full.endswith(_REPLACEMENT) and self._completable()):
             delta = full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
             return delta
         return ""
+
+    def _completable(self) -> bool:
+        """Do the window's last bytes start a UTF-8 character that more bytes could still complete?
+        (Unknown bytes, a tokenizer that is not byte-level: assume so, and hold.)"""
+        raw = self.tok.token_bytes(self.ids[self._prefix:], self.skip)
+        if raw is None:
+            return True
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(raw, final=False)
+        return bool(decoder.getstate()[0])  # the bytes it holds back, waiting for the rest
 
     def flush(self) -> str:
         """Whatever is left at the end (a truncated character becomes U+FFFD, as in any decoder)."""

@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import ByteLevel as _ByteLevelDecoder
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -95,6 +96,30 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = [i for i in ids if 0 <= i < self.vocab_size]
         return self._tok().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _byte_of_char(self) -> dict[str, int] | None:
+        """ByteLevel's alphabet read backwards (GPT-2's bytes_to_unicode: printable bytes stand for
+        themselves, the other 68 for U+0100 on), or None when the decoder is not ByteLevel."""
+        if not isinstance(self._tok().decoder, _ByteLevelDecoder):
+            return None
+        keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        rest = [b for b in range(256) if b not in keep]
+        return {chr(b): b for b in keep} | {chr(0x100 + n): b for n, b in enumerate(rest)}
+
+    def token_bytes(self, ids, skip_special_tokens: bool = True) -> bytes | None:
+        """The bytes ``ids`` decode from (added tokens: their text; skipped specials: nothing), or None
+        when the tokenizer is not byte-level (then only the decoded text is known)."""
+        table = self._byte_of_char
+        if table is None:
+            return None
+        tok, out = self._tok(), bytearray()
+        for i in ids:
+            if not 0 <= i < self.vocab_size or (skip_special_tokens and i in self.added_ids):
+                continue
+            piece = tok.id_to_token(i) or ""
+            out += bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+        return bytes(out)
 
     def token_text(self, token_id: int) -> str:
         """Readable text of one token (for logprobs); specials by name. A token that is only part of a
