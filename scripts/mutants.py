@@ -314,7 +314,7 @@ MUTANTS = [
            "f8p_ix[p] = (uint8_t)(p % 2 ? 64 + col : col);", "f8p_ix[p] = (uint8_t)(p % 2 ? col : 64 + col);",
            ("tests/test_host_f8pairs.py",)),
     Mutant("x2", "FP8 pairs: the codes' sign bit dropped", "ds4serve/model/csrc/host_f8pairs.c",
-           "hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF8); /* hi", "hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF0); /* hi",
+           "hi = _mm512_ternarylogic_epi32(hi, codes, t->sign, 0xF8);", "hi = _mm512_ternarylogic_epi32(hi, codes, t->sign, 0xF0);",
            ("tests/test_host_f8pairs.py",)),
     Mutant("x3", "FP8 pairs: a block's partial sums carried into the next block (not reset)",
            "ds4serve/model/csrc/host_f8pairs.c", "                p[c] = 0.0f;", "                (void)p;",

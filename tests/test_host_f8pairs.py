@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ds4serve.llm import LLM
-from ds4serve.model import host_f8pairs, host_forward
+from ds4serve.model import host_f8pairs
 from ds4serve.model.stored import StoredWeight
 from ds4serve.settings import FP8_ACTIVATION_MODES, ConfigError, EngineSettings
 from model_helpers import random_ids
-from test_host_pairs import _fma, _round_bf16, _same, _value
+from test_host_pairs import _fma, _round_bf16, _same, _value, lib  # noqa: F401  (lib: the module fixture)
 from test_stored_weights import flash_dir  # noqa: F401  (the module fixture: FP8 + bf16 head + MXFP4)
 
 
@@ -66,14 +66,6 @@ def _rows(M: int, K: int, seed: int) -> torch.Tensor:
     edge = torch.tensor([1e-39, -1e-39, -0.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, float.fromhex("0x1.ffffp0"), 3e-3, 1e-30])
     x[0, : min(K, 8)] = edge[: min(K, 8)]
     return x
-
-
-@pytest.fixture(scope="module")
-def lib():
-    got = host_forward.library()
-    if got is None:
-        pytest.skip("native kernels unavailable")
-    return got
 
 
 @pytest.mark.parametrize("M,N,K,block", [(1, 64, 256, (128, 128)), (3, 96, 200, (32, 64)), (8, 32, 128, (32, 128)),

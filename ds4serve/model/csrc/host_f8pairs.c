@@ -102,12 +102,41 @@ static inline float f8p_scale(const Weight *w, int64_t n, int64_t k) {
    F8P_PASS pairs of weight rows from wk (row k at the panel's first column, row stride ld), continuing
    the partial sums P (row stride ldp). pf: the next pass's first row (NULL: none) */
 #define F8P_UNROLL _Pragma("GCC unroll 16")
+
+typedef struct { __m512i th0, th1, tl0, tl1, ix, sign; } F8pTables;  /* kept in registers by the kernels */
+
+static inline __attribute__((always_inline)) F8pTables f8p_load_tables(void) {
+    return (F8pTables){_mm512_load_si512(f8p_hi), _mm512_load_si512(f8p_hi + 64), _mm512_load_si512(f8p_lo),
+                       _mm512_load_si512(f8p_lo + 64), _mm512_load_si512(f8p_ix), _mm512_set1_epi8((char)0x80)};
+}
+
+/* weight rows k (r0) and k + 1 (r0 + ld) of a strip -> its 32 outputs' (w[k], w[k + 1]) bf16 pairs: outputs
+   0-15 in *w0, 16-31 in *w1 */
+static inline __attribute__((always_inline)) void f8p_decode(const F8pTables *t, const uint8_t *r0, int64_t ld,
+                                                            __m512bh *w0, __m512bh *w1) {
+    __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0));
+    __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + ld)));
+    __m512i codes = _mm512_permutex2var_epi8(a, t->ix, b);
+    __m512i hi = _mm512_permutex2var_epi8(t->th0, codes, t->th1);
+    __m512i lo = _mm512_permutex2var_epi8(t->tl0, codes, t->tl1);
+    hi = _mm512_ternarylogic_epi32(hi, codes, t->sign, 0xF8); /* hi | (codes & 0x80) */
+    *w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    *w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+
+/* the pair (x[k], x[k + 1]) of MR rows (xk: row 0 at input k) into acc[MR][2] with the strip's pairs */
+#define F8P_ROWS(MR, xk, ldx, acc, w0, w1)                                                                  \
+    F8P_UNROLL for (int i = 0; i < MR; i++) {                                                              \
+        uint32_t pair;                                                                                     \
+        memcpy(&pair, (xk) + i * (ldx), sizeof pair);                                                      \
+        __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);                                               \
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);                                                    \
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);                                                    \
+    }
 #define F8P_PASS_KERNEL(MR)                                                                                 \
     static void f8p_pass_##MR(const uint16_t *xb, int64_t ldx, const uint8_t *wk, int64_t ld, int np,      \
                               int64_t ns, float *P, int64_t ldp, const uint8_t *pf) {                      \
-        const __m512i th0 = _mm512_load_si512(f8p_hi), th1 = _mm512_load_si512(f8p_hi + 64);               \
-        const __m512i tl0 = _mm512_load_si512(f8p_lo), tl1 = _mm512_load_si512(f8p_lo + 64);               \
-        const __m512i ix = _mm512_load_si512(f8p_ix), sign = _mm512_set1_epi8((char)0x80);                 \
+        const F8pTables t = f8p_load_tables();                                                             \
         for (int64_t st = 0; st < ns; st++) {                                                              \
             const uint8_t *col = wk + st * F8P_STRIP;                                                      \
             if (pf && (st & 1) == 0) /* the next pass's rows, a line at a time */                          \
@@ -118,21 +147,9 @@ static inline float f8p_scale(const Weight *w, int64_t n, int64_t k) {
                 acc[i][1] = _mm512_loadu_ps(P + i * ldp + st * F8P_STRIP + 16);                            \
             }                                                                                              \
             for (int r = 0; r < np; r++) {                                                                 \
-                const uint8_t *r0 = col + 2 * r * ld;                                                      \
-                __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0));               \
-                __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + ld)));        \
-                __m512i codes = _mm512_permutex2var_epi8(a, ix, b);                                        \
-                __m512i hi = _mm512_permutex2var_epi8(th0, codes, th1);                                    \
-                __m512i lo = _mm512_permutex2var_epi8(tl0, codes, tl1);                                    \
-                hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF8); /* hi | (codes & 0x80) */          \
-                __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi); \
-                F8P_UNROLL for (int i = 0; i < MR; i++) {                                                  \
-                    uint32_t pair;                                                                         \
-                    memcpy(&pair, xb + i * ldx + 2 * r, sizeof pair);                                      \
-                    __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);                                   \
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);                                        \
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);                                        \
-                }                                                                                          \
+                __m512bh w0, w1;                                                                           \
+                f8p_decode(&t, col + 2 * r * ld, ld, &w0, &w1);                                            \
+                F8P_ROWS(MR, xb + 2 * r, ldx, acc, w0, w1)                                                 \
             }                                                                                              \
             F8P_UNROLL for (int i = 0; i < MR; i++) {                                                      \
                 _mm512_storeu_ps(P + i * ldp + st * F8P_STRIP, acc[i][0]);                                 \
@@ -171,27 +188,13 @@ static void f8p_pass(int mr, const uint16_t *xb, int64_t ldx, const uint8_t *wk,
 #define F8P_STRIP_KERNEL(MR)                                                                                \
     static void f8p_strip_##MR(const uint16_t *xb, int64_t ldx, const uint8_t *wk, int64_t ld, int np,     \
                                float s, float *y, int64_t ldy) {                                           \
-        const __m512i th0 = _mm512_load_si512(f8p_hi), th1 = _mm512_load_si512(f8p_hi + 64);               \
-        const __m512i tl0 = _mm512_load_si512(f8p_lo), tl1 = _mm512_load_si512(f8p_lo + 64);               \
-        const __m512i ix = _mm512_load_si512(f8p_ix), sign = _mm512_set1_epi8((char)0x80);                 \
+        const F8pTables t = f8p_load_tables();                                                             \
         __m512 acc[MR][2];                                                                                 \
         F8P_UNROLL for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();                \
         for (int r = 0; r < np; r++) {                                                                     \
-            const uint8_t *r0 = wk + 2 * r * ld;                                                           \
-            __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0));                   \
-            __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + ld)));            \
-            __m512i codes = _mm512_permutex2var_epi8(a, ix, b);                                            \
-            __m512i hi = _mm512_permutex2var_epi8(th0, codes, th1);                                        \
-            __m512i lo = _mm512_permutex2var_epi8(tl0, codes, tl1);                                        \
-            hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF8);                                         \
-            __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi); \
-            F8P_UNROLL for (int i = 0; i < MR; i++) {                                                      \
-                uint32_t pair;                                                                             \
-                memcpy(&pair, xb + i * ldx + 2 * r, sizeof pair);                                          \
-                __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);                                       \
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);                                            \
-                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);                                            \
-            }                                                                                              \
+            __m512bh w0, w1;                                                                               \
+            f8p_decode(&t, wk + 2 * r * ld, ld, &w0, &w1);                                                 \
+            F8P_ROWS(MR, xb + 2 * r, ldx, acc, w0, w1)                                                     \
         }                                                                                                  \
         __m512 sv = _mm512_set1_ps(s);                                                                     \
         F8P_UNROLL for (int i = 0; i < MR; i++) {                                                          \
