@@ -82,11 +82,14 @@ static inline float f8p_scale(const Weight *w, int64_t n, int64_t k) {
     return w->scales[nb * w->sld + kb];
 }
 
-/* Partial sums live in P, [rows, panel] fp32 (a thread's scratch, in L1/L2), while a pass of up to
-   F8P_PASS pairs of weight rows goes across the whole panel: each weight row is read as one run of
-   panel bytes (a strip at a time, 32 bytes, walking down its block's rows, read each line of a row
-   as half a line per strip and left the hardware prefetchers nothing to follow: 1 / 2 rows ran at a
-   quarter / a third of host_stored.c's rate). At the end of a block of scales y = fma(P, s, y) (f8p_finish). */
+/* Up to F8P_MANY_ROWS rows: the partial sums live in P, [rows, panel] fp32 (a thread's scratch, in
+   L1/L2), while a pass of up to F8P_PASS pairs of weight rows goes across the whole panel, so each weight
+   row is read as one run of panel bytes, with the next pass's rows prefetched. (Walking a strip of 32
+   bytes down a block's rows instead, the sums in registers as f8p_strip does, read every weight row 32
+   bytes at a time, 64 KB apart, which the hardware prefetchers do not follow: 1 / 2 rows ran at a quarter /
+   a third of host_stored.c's rate.) At the end of a block of scales y = fma(P, s, y) (f8p_finish).
+   Tried on a Zen 4 (bench_stored.py -D): passes of 8 pairs 0.68-0.92x at 1-2 rows (1.04-1.14x at 8); the
+   prefetch to L1 or L3 instead of L2 0.80-1.15x, no better overall. */
 #ifndef F8P_PASS
 #define F8P_PASS 4  /* pairs of weight rows a pass: 8 rows streaming at once, as f8_rows */
 #endif
