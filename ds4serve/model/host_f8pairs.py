@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .host_abi import _Weight
-from .host_pairs import probe_rows
+from .host_pairs import first_difference, probe_rows
 from .host_support import kn_store, kn_stored
 from .stored import StoredWeight
 
@@ -146,9 +146,9 @@ def f8p_disagrees(lib: ctypes.CDLL, w: StoredWeight, n_out: int = 256) -> str | 
     x = probe_rows(part.shape[1])
     got = product(lib, x, part, threads=torch.get_num_threads())
     want = reference(lib, x, part)
-    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-    if bool(same.all()):
+    first = first_difference(got, want)
+    if first is None:
         return None
-    m, n = (int(i) for i in (~same).nonzero()[0])  # sync-ok: start-up probe
+    m, n = first
     return (f"the FP8 bf16-pair product ({lib.ds4_f8p_kernel().decode()}) differs from its definition on "
             f"{w.name} at row {m}, output {n}: {float(got[m, n])!r} against {float(want[m, n])!r}")

@@ -96,6 +96,16 @@ def probe_rows(K: int) -> torch.Tensor:
     return x
 
 
+def first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int] | None:
+    """Where two ``[M, N]`` fp32 results first differ bit for bit (NaN matching NaN), or None: what the
+    start-up probes of the pair products report."""
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    if bool(same.all()):
+        return None
+    m, n = (int(i) for i in (~same).nonzero()[0])  # sync-ok: start-up probe
+    return m, n
+
+
 def p16_disagrees(lib: ctypes.CDLL, head: torch.Tensor, rows: int = 256) -> str | None:
     """The kernel on the first ``rows`` rows of the loaded head, against ``ds4_p16_reference``, bit for
     bit: None when every output agrees, else where the first differs. The kernel takes the instruction
@@ -104,9 +114,9 @@ def p16_disagrees(lib: ctypes.CDLL, head: torch.Tensor, rows: int = 256) -> str 
     w = head[:rows].contiguous()
     x = probe_rows(w.shape[1])
     got, want = product(lib, x, w, threads=torch.get_num_threads()), reference(lib, x, w)
-    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
-    if bool(same.all()):
+    first = first_difference(got, want)
+    if first is None:
         return None
-    m, n = (int(i) for i in (~same).nonzero()[0])  # sync-ok: start-up probe
+    m, n = first
     return (f"the bf16-pair LM head product ({lib.ds4_p16_kernel().decode()}) differs from its definition at row "
             f"{m}, output {n}: {float(got[m, n])!r} against {float(want[m, n])!r}")
