@@ -9,8 +9,15 @@ from PIL import Image, ImageDraw
 
 from ds4serve.chat import Tokenizer, render_chat
 from ds4serve.multimodal.pipeline import ImagePipeline
+from ds4serve.tiny.random_model import BUNDLED
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "black", "cyan"]
+
+
+# the bundled model's sample picture as a data URL, and questions it answers (about it, and text alone)
+SAMPLE_URL = "data:image/png;base64," + base64.b64encode((BUNDLED / "sample.png").read_bytes()).decode()
+SAMPLE_QUESTIONS = ["What is 7 + 5?", "What colour is the triangle?", "How many shapes are there?", "Reverse: abc",
+                    "What colour is the circle?", "Which shape is blue?", "What is 3 + 4?", "Where is the square?"]
 
 
 def image_url(seed: int, size=(200, 150)) -> str:

@@ -6,7 +6,6 @@ the same steps as the image prefills."""
 
 from __future__ import annotations
 
-import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,13 +13,12 @@ import openai
 import pytest
 
 from ds4serve.tiny.random_model import BUNDLED
+from image_helpers import SAMPLE_QUESTIONS, SAMPLE_URL
 from server_harness import serve
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
-IMAGE = "data:image/png;base64," + base64.b64encode((BUNDLED / "sample.png").read_bytes()).decode()
-QUESTIONS = ["What is 7 + 5?", "What colour is the triangle?", "How many shapes are there?", "Reverse: abc",
-             "What colour is the circle?", "Which shape is blue?", "What is 3 + 4?", "Where is the square?"]
+IMAGE, QUESTIONS = SAMPLE_URL, SAMPLE_QUESTIONS
 
 
 def _ask(client: openai.OpenAI, i: int) -> list[str]:

@@ -9,7 +9,6 @@ server with a clear error instead of a hang.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import signal
@@ -21,14 +20,13 @@ import pytest
 
 from ds4serve.runtime.tp_group import ParallelSettings
 from ds4serve.tiny.random_model import BUNDLED
+from image_helpers import SAMPLE_QUESTIONS, SAMPLE_URL
 from server_harness import serve
 from tp_faults import MAGIC
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
-IMAGE = "data:image/png;base64," + base64.b64encode((BUNDLED / "sample.png").read_bytes()).decode()
-QUESTIONS = ["What is 7 + 5?", "What colour is the triangle?", "How many shapes are there?", "Reverse: abc",
-             "What colour is the circle?", "Which shape is blue?", "What is 3 + 4?", "Where is the square?"]
+IMAGE, QUESTIONS = SAMPLE_URL, SAMPLE_QUESTIONS
 SETTINGS = {"warmup": True, "max_seqs": 8}
 
 
