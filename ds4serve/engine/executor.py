@@ -32,7 +32,7 @@ from .capture import CapturePlan
 from .constraints import constrain
 from .decode_graphs import DecodeRunner, resolve_mode
 from .drafted import Verified, row_states, settle
-from .model_drafts import Ask, Fed, ModelDrafts
+from .model_drafts import Ask, Fed, ModelDrafts, ProposeTiming
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus)
 from .prompt_scoring import ScoredRows, keep_rows, score
@@ -228,7 +228,7 @@ class Executor:
         for pass_id in plan.retired:
             self.cancel_pass(pass_id)
         try:
-            tokens, progress, prompt, (draft_s, proposals) = self._execute(plan)
+            tokens, progress, prompt, (draft_s, proposals, timing) = self._execute(plan)
         except Exception as exc:  # one bad step fails its requests, not the engine
             log.exception("step %d failed (%d decoders, %d pass slices)", plan.step_id, len(plan.decodes),
                           len(plan.passes))
@@ -237,7 +237,8 @@ class Executor:
             return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
                               error=f"{type(exc).__name__}: {exc}", elapsed_s=time.perf_counter() - t0)
         return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress, elapsed_s=time.perf_counter() - t0,
-                          prompt_logprobs=prompt, draft_s=draft_s, proposals=proposals)
+                          prompt_logprobs=prompt, draft_s=draft_s, proposals=proposals,
+                          draft_prompt_s=timing.prompt_s, block_s=timing.block_s)
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, plan: StepPlan):
@@ -259,18 +260,19 @@ class Executor:
             accepted = {t.slot: len(t.accepted) for t in tokens}
             counts = [accepted.get(s.slot, 0) for s in saved.spans]
             saved.restore(counts if self.agree is None else self.agree(counts))
-        drafting = (0.0, 0)
+        drafting = (0.0, 0, ProposeTiming())
         if self.drafts is not None and self.sample:
             tokens, drafting = self._draft_next(fed, plan.decodes, owners, tokens)
         return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else (), drafting
 
     def _draft_next(self, fed: "_Fed", decodes: tuple[DecodeRow, ...], owners: list[_Owner],
-                    tokens: list[SampledToken]) -> tuple[list[SampledToken], tuple[float, int]]:
+                    tokens: list[SampledToken]
+                    ) -> tuple[list[SampledToken], tuple[float, int, ProposeTiming]]:
         """The model drafter's turn (``model_drafts``): commit what this step committed, then draft the
         next block of every sequence that got a token and is to propose; each token carries its block's
         tokens. Also returns the seconds the drafting took and how many blocks (the scheduler's cost)."""
         if not fed.entries:  # nothing captured this step: nothing to commit, no sequence to draft for
-            return tokens, (0.0, 0)
+            return tokens, (0.0, 0, ProposeTiming())
         ok = {t.slot: t for t in tokens if t.status is RowStatus.OK}
         kept = {d.slot: 1 + len(ok[d.slot].accepted) if d.slot in ok else 0 for d in decodes}
         if fed.entries:
@@ -283,7 +285,7 @@ class Executor:
         proposals = self.drafts.propose(asks)
         spent = time.perf_counter() - t0
         return [dataclasses.replace(t, proposal=proposals[t.slot].tokens, proposal_survival=proposals[t.slot].survival)
-                if t.slot in proposals else t for t in tokens], (spent, len(asks))
+                if t.slot in proposals else t for t in tokens], (spent, len(asks), self.drafts.timing)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """The LM head the steps sample with: native where the host forward runs, else torch."""

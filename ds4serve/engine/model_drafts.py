@@ -36,6 +36,7 @@ below the hit; the drafter's ``ready`` says so and the request does not draft un
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -112,6 +113,18 @@ class Ask:
 
 
 @dataclass(frozen=True)
+class ProposeTiming:
+    """Where one ``propose`` spent its time, for the scheduler's cost of drafting (``StepCosts``):
+    ``prompt_s`` committing prompt rows (a share of the commit by rows: the drafter reading a prompt, paid
+    once a request like its prefill, not per verified draft row; charged to the blocks, the first block
+    after a 240-token prompt of the bundled model cost ~3x a steady one and switched its drafting off for
+    good), ``block_s`` the blocks' own forward."""
+
+    prompt_s: float = 0.0
+    block_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Proposal:
     position: int  # the anchor's: the next decode row's position
     tokens: tuple[int, ...]
@@ -128,8 +141,10 @@ class ModelDrafts:
         self.model = model
         self.rejection = acceptance == "rejection"
         self._states: dict[int, tuple[str, Any]] = {}
-        self._backlog: dict[int, list[tuple[int, tuple[int, ...], torch.Tensor]]] = {}  # rows not yet committed
+        # rows not yet committed: (start, ids, hidden rows, whether a prompt chunk's)
+        self._backlog: dict[int, list[tuple[int, tuple[int, ...], torch.Tensor, bool]]] = {}
         self.pending: dict[int, Proposal] = {}
+        self.timing = ProposeTiming()  # the last ``propose``'s
         self.not_ready = 0  # proposals skipped: the drafter's window was not whole (after a prefix hit)
 
     @property
@@ -161,48 +176,59 @@ class ModelDrafts:
                 continue
             self._state(f.request_id, f.slot, f.start)
             log_ = self._backlog.setdefault(f.slot, [])
-            log_.append((f.start, f.ids[:n], captured[f.row:f.row + n].clone()))
-            total = sum(len(ids) for _, ids, _ in log_)
+            log_.append((f.start, f.ids[:n], captured[f.row:f.row + n].clone(), f.slot not in kept))
+            total = sum(len(e[1]) for e in log_)
             while total - len(log_[0][1]) >= self.model.keep_rows:  # whole chunks no drafter will read
                 total -= len(log_.pop(0)[1])
 
-    def _flush(self, slots: Sequence[int]) -> None:
-        """Hand the backlogs of ``slots`` to the drafter in one batched commit."""
+    def _flush(self, slots: Sequence[int]) -> tuple[int, int]:
+        """Hand the backlogs of ``slots`` to the drafter in one batched commit; returns ``(rows, prompt
+        rows)`` committed."""
         positions: list[int] = []
         tokens: list[int] = []
         owners: list[int] = []
         parts: list[torch.Tensor] = []
         states: list[Any] = []
+        prompt_rows = 0
         for slot in slots:
             log_ = self._backlog.pop(slot, None)
             if not log_:
                 continue
-            for start, ids, hidden in log_:
+            for start, ids, hidden, prompt in log_:
+                prompt_rows += len(ids) if prompt else 0
                 owners += [len(states)] * len(ids)
                 positions += range(start, start + len(ids))
                 tokens += ids
                 parts.append(hidden)
             states.append(self._states[slot][1])
         if not states:
-            return
+            return 0, 0
         dev = parts[0].device
         self.model.commit(states, torch.tensor(positions, device=dev), torch.tensor(tokens, device=dev),
                           torch.cat(parts) if len(parts) > 1 else parts[0], torch.tensor(owners, device=dev))
+        return len(positions), prompt_rows
 
     def propose(self, asks: Sequence[Ask]) -> dict[int, Proposal]:
-        """Draft the next block of every ready ``ask``; kept in ``pending`` and returned by slot."""
+        """Draft the next block of every ready ``ask``; kept in ``pending`` and returned by slot. Where
+        the time went is left in ``timing``."""
+        self.timing = ProposeTiming()
         asks = [a for a in asks if a.slot in self._states and self._states[a.slot][0] == a.request_id]
         if not asks:
             return {}
-        self._flush([a.slot for a in asks])
+        t0 = time.perf_counter()
+        rows, prompt_rows = self._flush([a.slot for a in asks])
+        commit_s = time.perf_counter() - t0
+        self.timing = ProposeTiming(commit_s * prompt_rows / rows if rows else 0.0)
         states = [self._states[a.slot][1] for a in asks]
         ok = self.model.ready(states, torch.tensor([a.position - 1 for a in asks]))
         self.not_ready += ok.count(False)
         asks = [a for a, good in zip(asks, ok) if good]
         if not asks:
             return {}
+        t0 = time.perf_counter()
         block = self.model.draft([self._states[a.slot][1] for a in asks], torch.tensor([a.anchor for a in asks]),
                                  torch.tensor([a.position for a in asks]), self._pick(asks))
+        self.timing = ProposeTiming(self.timing.prompt_s, time.perf_counter() - t0)
         tokens, survival = block.tokens.tolist(), block.survival.tolist()
         out = {}
         for i, a in enumerate(asks):

@@ -179,6 +179,8 @@ class StepResult:
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # one per member that asked, when its pass completed
     draft_s: float = 0.0  # of ``elapsed_s``: the checkpoint drafter drafting next blocks (``proposals`` of them)
     proposals: int = 0
+    draft_prompt_s: float = 0.0  # of ``draft_s``: the drafter committing prompt rows (a prefill cost)
+    block_s: float = 0.0  # of ``draft_s``: the blocks' own forward
 
 
 def validate_plan(plan: StepPlan, num_layers: int) -> str:

@@ -329,7 +329,8 @@ class Scheduler(MemoryPressure, Speculation):
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
         if self.drafting is not None:
-            self.step_costs.observe_blocks(result.draft_s, result.proposals, sum(len(d.draft) for d in plan.decodes))
+            self.step_costs.observe_blocks(result.draft_s - result.draft_prompt_s, result.proposals,
+                                           sum(len(d.draft) for d in plan.decodes), result.block_s)
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
                                     time.perf_counter() - self._planned_at - result.draft_s)

@@ -90,13 +90,18 @@ class StepCosts:
         token looked worth more than it was, a draft row cost less, and n-gram drafts ran at 0.86x."""
         return step % BASELINE_EVERY == BASELINE_EVERY // 2 and self._plain[decoders] < BASELINE_MIN
 
-    def observe_blocks(self, seconds: float, blocks: int, verified: int = 0) -> None:
+    def observe_blocks(self, seconds: float, blocks: int, verified: int = 0, block_seconds: float | None = None
+                       ) -> None:
         """A step's checkpoint-drafter time for ``blocks`` blocks (left out of the step's own ``seconds``),
-        and the ``verified`` draft rows the step carried (blocks drafted earlier)."""
-        if blocks > 0 and seconds >= 0:
+        and the ``verified`` draft rows the step carried (blocks drafted earlier). ``block_seconds``: of
+        ``seconds``, the blocks' own forward (``block_cost``; all of ``seconds`` when not given): the rows
+        committed beside it vary with what the step accepted and are no part of a block's cost."""
+        own = seconds if block_seconds is None else block_seconds
+        if blocks > 0 and own >= 0:
             if self.block_cost > 0.0:  # a stalled drafter forward (``SPIKE``) counts as a slow one, no more
-                seconds = min(seconds, SPIKE * self.block_cost * blocks)
-            per = seconds / blocks
+                clamped = min(own, SPIKE * self.block_cost * blocks)
+                seconds, own = seconds - (own - clamped), clamped
+            per = own / blocks
             self.block_cost = per if self.block_cost == 0.0 else BLOCK_DECAY * self.block_cost + (1 - BLOCK_DECAY) * per
         self._draft_s = DRAFT_DECAY * self._draft_s + max(0.0, seconds)
         self._draft_rows = DRAFT_DECAY * self._draft_rows + verified

@@ -1,0 +1,115 @@
+"""What a checkpoint drafter's time is charged to (issue 28).
+
+The bug this pins: the first block after a prompt was charged the drafter reading the whole prompt (the
+commit of its rows), ~3x a steady block for the bundled model's 240-token bench prompt. The scheduler's
+cost rule then priced a verified draft row above what any acceptance rate could pay (the bar past
+``FOLLOW_LIMIT``), stopped following the request, and, with no block ever drafted again, never learnt
+the drafter's real cost: drafting stayed off for good on some runs, on with 1.3x on others.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4serve.engine import model_drafts
+from ds4serve.engine.model_drafts import Ask, Block, Fed, ModelDrafts
+from ds4serve.engine.capture import CapturePlan
+from ds4serve.engine.sampling import SamplerState, SamplingParams
+from ds4serve.scheduler.drafting import FOLLOW_LIMIT, DraftPolicy
+from ds4serve.scheduler.request import Request
+from ds4serve.scheduler.step_costs import StepCosts
+
+COMMIT_ROW_S = 3e-6  # the fake drafter's seconds to commit one row
+BLOCK_S = 1.5e-4  # ... and to draft one block
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowReader:
+    """A drafter whose commit costs ``COMMIT_ROW_S`` a row and whose block costs ``BLOCK_S``, on ``clock``."""
+
+    plan = CapturePlan((0,), mean_hc=True)
+    block = 4
+    keep_rows = 128
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.committed = 0
+
+    def new_state(self) -> object:
+        return object()
+
+    def release(self, state: object) -> None:
+        pass
+
+    def commit(self, states, positions, tokens, hidden, owners) -> None:
+        self.committed += positions.shape[0]
+        self.clock.now += COMMIT_ROW_S * positions.shape[0]
+
+    def ready(self, states, last) -> list[bool]:
+        return [True] * len(states)
+
+    def draft(self, states, anchors, anchor_positions, pick) -> Block:
+        self.clock.now += BLOCK_S
+        n = anchors.shape[0]
+        return Block(torch.full((n, self.block), 9), None, torch.ones(n, self.block))
+
+
+def ask(position: int, index: int) -> Ask:
+    sampler = SamplerState(SamplingParams(temperature=0.0), [], [])
+    return Ask("r", 0, 5, position, sampler, index)
+
+
+def test_a_prompt_read_by_the_drafter_is_not_charged_to_its_blocks(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(model_drafts.time, "perf_counter", clock)
+    model = SlowReader(clock)
+    drafts = ModelDrafts(model)
+    prompt = 240
+    # the prompt's last chunk (no decoder of its own: not in ``kept``), then the block after it
+    drafts.commit([Fed("r", 0, 0, tuple(range(prompt)), 0)], torch.zeros(prompt, 8), {})
+    assert drafts.propose([ask(prompt, 1)])
+    assert model.committed == prompt  # one chunk: kept whole (the backlog drops whole chunks only)
+    assert drafts.timing.prompt_s == pytest.approx(COMMIT_ROW_S * prompt)
+    assert drafts.timing.block_s == pytest.approx(BLOCK_S)
+    # a decoder's step: its token and 2 accepted drafts, none of it the prompt's
+    drafts.commit([Fed("r", 0, prompt, (5, 9, 9, 9, 9), 0)], torch.zeros(5, 8), {0: 3})
+    assert drafts.propose([ask(prompt + 3, 4)])
+    assert drafts.timing.prompt_s == 0.0 and drafts.timing.block_s == pytest.approx(BLOCK_S)
+    # a backlog that mixes both: the prompt's share of the commit by rows
+    drafts.drop(0)
+    drafts.commit([Fed("r", 0, 0, tuple(range(6)), 0)], torch.zeros(6, 8), {})
+    drafts.commit([Fed("r", 0, 6, (5, 9), 0)], torch.zeros(2, 8), {0: 2})
+    assert drafts.propose([ask(8, 3)])
+    assert drafts.timing.prompt_s == pytest.approx(6 * COMMIT_ROW_S)
+
+
+def test_a_slow_first_read_does_not_turn_drafting_off():
+    """The bundled model's figures on the machine that showed it: a 0.56 ms plain step, 53 us a draft row,
+    the prompt's commit 0.72 ms and the first block 0.36 ms (cold)."""
+    costs = (5.6e-4, 0.0, 5.3e-5)
+    policy = DraftPolicy(k=4, min_n=1, max_n=3, window=512, max_rows=7, vocab_size=1000, source="model")
+    req = Request.__new__(Request)
+    req.draft_rate = 1.0
+    charged_all = StepCosts(costs)  # what the scheduler did: the whole propose charged to the block
+    charged_all.observe_blocks(0.72e-3 + 0.36e-3, 1)
+    assert not policy.follows(req, 1, costs, charged_all.draft_cost, 512)  # the bug: drafting off
+    assert policy.bar(req, 1, costs, charged_all.draft_cost, 512) > FOLLOW_LIMIT
+    charged_blocks = StepCosts(costs)  # the prompt's read left out, the block's own forward its cost
+    charged_blocks.observe_blocks(0.36e-3, 1, block_seconds=0.36e-3)
+    assert charged_blocks.block_cost == 0.36e-3
+    assert policy.follows(req, 1, costs, charged_blocks.draft_cost, 512)
+    # rows committed beside a block are charged to drafting, not to the block's own cost
+    charged_blocks.observe_blocks(0.2e-3, 1, verified=4, block_seconds=0.15e-3)
+    assert abs(charged_blocks.block_cost - (0.9 * 0.36e-3 + 0.1 * 0.15e-3)) < 1e-12
+    # a stalled block is clamped (SPIKE), and only the block's part of the time with it
+    before = charged_blocks.block_cost
+    charged_blocks.observe_blocks(1.0 + 0.05e-3, 1, verified=4, block_seconds=1.0)
+    assert charged_blocks.block_cost < before * 1.2
