@@ -210,6 +210,43 @@ def test_ready_agrees_with_the_rings_completeness_after_gaps_and_hits(ck):
                 drafts.commit([s], pos, pos, hidden, torch.zeros(len(positions), dtype=torch.long))
         for p in range(-1, 3 * window, 3):
             last = torch.full((3,), p)
-            assert drafts.ready(states, last) == drafts.rings.complete(states, last).tolist(), (trial, p)
+            whole = drafts.rings.complete(states, last).tolist()
+            assert drafts.ready(states, last) == whole, (trial, p)
+            # the engine's one-call greedy proposal decides readiness the same way (in C)
+            assert drafts.propose_greedy(states, [5, 6, 7], [p + 1] * 3)[0] == whole, (trial, p)
         for s in states:
             drafts.release(s)
+
+
+def test_the_engines_one_call_paths_equal_commit_ready_draft_and_cumprod(ck):
+    """``commit_entries`` (the engine's backlog chunks by address) writes the rings ``commit`` writes, and
+    ``propose_greedy`` (readiness, greedy block and survival in one C call) gives what ``ready``, ``draft``
+    with a greedy pick and ``torch.cumprod`` give, bit for bit, for requests ready and not."""
+    w, model = ck["weights"], ck["model"]
+    width = len(w.config.target_layer_ids) * w.config.trunk.hidden_size
+    one, ref = NativeDSparkDrafts(w, model, 3), NativeDSparkDrafts(w, model, 3)
+    states, ref_states = [one.new_state() for _ in range(3)], [ref.new_state() for _ in range(3)]
+    gen = torch.Generator().manual_seed(9)
+    chunks = [(0, 0, 7), (1, 0, 3), (0, 7, 1), (2, 4, 5), (1, 3, 2), (0, 8, 3)]  # (request, start, rows)
+    entries = []
+    for r, start, n in chunks:
+        hidden = torch.randn(n, width, generator=gen)
+        entries.append((states[r], start, tuple(range(start, start + n)), hidden))
+        pos = torch.arange(start, start + n)
+        ref.commit([ref_states[r]], pos, pos, hidden, torch.zeros(n, dtype=torch.long))
+    one.commit_entries(entries)
+    assert torch.equal(one.rings.kv, ref.rings.kv) and torch.equal(one.rings.pos, ref.rings.pos)
+    anchors, at = [21, 3, 17], [11, 5, 9]  # request 2 holds positions 4-8 only: its window is not whole
+    ready, tokens, survival = one.propose_greedy(states, anchors, at)
+    want_ready = ref.ready(ref_states, torch.tensor(at) - 1)
+    assert ready == want_ready == [True, True, False]
+
+    def greedy(logits, i):
+        raise AssertionError("a greedy block must not call pick")
+
+    greedy.greedy, greedy.needs_q = True, False
+    live = [i for i, ok in enumerate(want_ready) if ok]
+    want = ref.draft([ref_states[i] for i in live], torch.tensor([anchors[i] for i in live]),
+                     torch.tensor([at[i] for i in live]), greedy)
+    assert [tokens[i] for i in live] == want.tokens.tolist()
+    assert torch.equal(torch.tensor([survival[i] for i in live]), want.survival)

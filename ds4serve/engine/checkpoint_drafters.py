@@ -83,6 +83,29 @@ class NativeDSparkDrafts(DSparkDrafts):
         slots = torch.tensor([s.slot for s in states], dtype=torch.long).index_select(0, owners.cpu())
         self.native.commit(slots, positions.cpu(), hidden)
 
+    def commit_entries(self, entries) -> None:
+        """``commit`` of the engine's backlog entries ``(state, start, ids, hidden rows)`` as they are: each
+        row goes to C by its address (``NativeDSpark.commit_rows``), no tensor built for the call."""
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep = []
+        for state, start, ids, hidden in entries:
+            if hidden.dtype != torch.float32 or not hidden.is_contiguous() or hidden.device.type != "cpu":
+                hidden = hidden.float().contiguous().cpu()
+            keep.append(hidden)
+            base, stride = hidden.data_ptr(), hidden.stride(0) * 4
+            rows += [base + i * stride for i in range(len(ids))]
+            positions += range(start, start + len(ids))
+            slots += [state.slot] * len(ids)
+        self.native.commit_rows(rows, positions, slots)
+
+    def propose_greedy(self, states, anchors: list[int], anchor_positions: list[int]
+                       ) -> tuple[list[bool], list[list[int]], list[list[float]]]:
+        """``(ready, tokens, survival)`` of greedy blocks in one C call (``NativeDSpark.propose_greedy``):
+        ``ready`` as ``ready`` says it, the rest what ``draft`` with an all-greedy pick gives."""
+        return self.native.propose_greedy([s.slot for s in states], anchors, anchor_positions)
+
     def ready(self, states, last: torch.Tensor) -> list[bool]:
         """``DSparkRings.complete`` by the rings' addressing: ring row ``r`` only ever holds a position
         ``q = r (mod window)`` (or -1), so the window ``[max(0, p - window + 1), p]`` is whole exactly

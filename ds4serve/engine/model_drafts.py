@@ -183,26 +183,31 @@ class ModelDrafts:
 
     def _flush(self, slots: Sequence[int]) -> tuple[int, int]:
         """Hand the backlogs of ``slots`` to the drafter in one batched commit; returns ``(rows, prompt
-        rows)`` committed."""
+        rows)`` committed. A drafter with ``commit_entries`` (the native DSpark one) takes the backlog
+        entries as they are: no tensor is built for them."""
+        entries: list[tuple[Any, int, tuple[int, ...], torch.Tensor]] = []
+        prompt_rows = 0
+        for slot in slots:
+            for start, ids, hidden, prompt in self._backlog.pop(slot, None) or ():
+                prompt_rows += len(ids) if prompt else 0
+                entries.append((self._states[slot][1], start, ids, hidden))
+        if not entries:
+            return 0, 0
+        fast = getattr(self.model, "commit_entries", None)
+        if fast is not None:
+            fast(entries)
+            return sum(len(e[2]) for e in entries), prompt_rows
         positions: list[int] = []
         tokens: list[int] = []
         owners: list[int] = []
-        parts: list[torch.Tensor] = []
         states: list[Any] = []
-        prompt_rows = 0
-        for slot in slots:
-            log_ = self._backlog.pop(slot, None)
-            if not log_:
-                continue
-            for start, ids, hidden, prompt in log_:
-                prompt_rows += len(ids) if prompt else 0
-                owners += [len(states)] * len(ids)
-                positions += range(start, start + len(ids))
-                tokens += ids
-                parts.append(hidden)
-            states.append(self._states[slot][1])
-        if not states:
-            return 0, 0
+        for state, start, ids, _ in entries:
+            if not states or states[-1] is not state:
+                states.append(state)
+            owners += [len(states) - 1] * len(ids)
+            positions += range(start, start + len(ids))
+            tokens += ids
+        parts = [e[3] for e in entries]
         dev = parts[0].device
         self.model.commit(states, torch.tensor(positions, device=dev), torch.tensor(tokens, device=dev),
                           torch.cat(parts) if len(parts) > 1 else parts[0], torch.tensor(owners, device=dev))
@@ -218,24 +223,33 @@ class ModelDrafts:
         t0 = time.perf_counter()
         rows, prompt_rows = self._flush([a.slot for a in asks])
         commit_s = time.perf_counter() - t0
-        self.timing = ProposeTiming(commit_s * prompt_rows / rows if rows else 0.0)
-        states = [self._states[a.slot][1] for a in asks]
-        ok = self.model.ready(states, torch.tensor([a.position - 1 for a in asks]))
-        self.not_ready += ok.count(False)
-        asks = [a for a, good in zip(asks, ok) if good]
-        if not asks:
-            return {}
         t0 = time.perf_counter()
-        block = self.model.draft([self._states[a.slot][1] for a in asks], torch.tensor([a.anchor for a in asks]),
-                                 torch.tensor([a.position for a in asks]), self._pick(asks))
-        self.timing = ProposeTiming(self.timing.prompt_s, time.perf_counter() - t0)
-        tokens, survival = block.tokens.tolist(), block.survival.tolist()
-        out = {}
-        for i, a in enumerate(asks):
-            out[a.slot] = Proposal(a.position, tuple(tokens[i]), block.q[i] if self.rejection else None,
-                                   tuple(survival[i]))
+        greedy = getattr(self.model, "propose_greedy", None)
+        if greedy is not None and not self.rejection and all(a.sampler.params.greedy for a in asks):
+            ok, tokens, survival = greedy([self._states[a.slot][1] for a in asks], [a.anchor for a in asks],
+                                          [a.position for a in asks])
+            blocks = [(a, tuple(t), None, tuple(v)) for a, t, v, good in zip(asks, tokens, survival, ok) if good]
+        else:
+            ok, blocks = self._blocks(asks)
+        self.timing = ProposeTiming(commit_s * prompt_rows / rows if rows else 0.0, time.perf_counter() - t0)
+        self.not_ready += ok.count(False)
+        out = {a.slot: Proposal(a.position, toks, q, surv) for a, toks, q, surv in blocks}
         self.pending.update(out)
         return out
+
+    def _blocks(self, asks: Sequence[Ask]) -> tuple[list[bool], list[tuple[Ask, tuple[int, ...], Any, tuple]]]:
+        """Readiness of every ask, and the blocks of the ready ones through the drafter's ``ready`` and
+        ``draft``: ``(ask, tokens, q, survival)``, ``q`` only under rejection sampling."""
+        states = [self._states[a.slot][1] for a in asks]
+        ok = self.model.ready(states, torch.tensor([a.position - 1 for a in asks]))
+        asks = [a for a, good in zip(asks, ok) if good]
+        if not asks:
+            return ok, []
+        block = self.model.draft([self._states[a.slot][1] for a in asks], torch.tensor([a.anchor for a in asks]),
+                                 torch.tensor([a.position for a in asks]), self._pick(asks))
+        tokens, survival = block.tokens.tolist(), block.survival.tolist()
+        return ok, [(a, tuple(tokens[i]), block.q[i] if self.rejection else None, tuple(survival[i]))
+                    for i, a in enumerate(asks)]
 
     def take(self, slot: int, position: int, draft: tuple[int, ...]) -> Draft:
         """The verified prefix ``draft`` of the block pending for ``slot`` at ``position``, with its ``q``.

@@ -77,6 +77,10 @@ def _load() -> ctypes.CDLL:
         lib.ds_commit.restype = c_int
         lib.ds_draft.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 5 + [c_int64] + [c_void_p] * 4
         lib.ds_draft.restype = c_int
+        lib.ds_commit_rows.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 5
+        lib.ds_commit_rows.restype = c_int
+        lib.ds_propose_greedy.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 8
+        lib.ds_propose_greedy.restype = c_int
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -162,6 +166,32 @@ class NativeDSpark:
         if self.lib.ds_commit(ctypes.byref(self.model), positions.shape[0], captured.data_ptr(), positions.data_ptr(),
                               slots.data_ptr(), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
             raise MemoryError("native DSpark commit: out of memory")
+
+    def commit_rows(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
+        """``commit`` of captured rows given as addresses (``rows[i]``: L * D contiguous fp32 values, kept
+        alive by the caller), with plain lists for the rest: the engine's path, no tensor built per call."""
+        n = len(rows)
+        if n == 0:
+            return
+        if self.lib.ds_commit_rows(ctypes.byref(self.model), n, (c_void_p * n)(*rows), (c_int64 * n)(*positions),
+                                   (c_int64 * n)(*slots), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
+            raise MemoryError("native DSpark commit: out of memory")
+
+    def propose_greedy(self, slots: list[int], anchors: list[int], anchor_positions: list[int]
+                       ) -> tuple[list[bool], list[list[int]], list[list[float]]]:
+        """``(ready, tokens, survival)`` per request: whether its ring is whole for the block (``ready``
+        of the engine's adapter), and where it is, the greedy block's tokens and the running product of
+        its confidences (``draft`` with ``greedy`` and a ``torch.cumprod``, in one call and plain lists)."""
+        n, b = len(slots), self.block
+        ready, tokens, survival = (c_int64 * n)(), (c_int64 * (n * b))(), (c_float * (n * b))()
+        rc = self.lib.ds_propose_greedy(ctypes.byref(self.model), n, (c_int64 * n)(*anchors),
+                                        (c_int64 * n)(*anchor_positions), (c_int64 * n)(*slots),
+                                        self.rings.kv.data_ptr(), self.rings.pos.data_ptr(), ready, tokens, survival)
+        if rc != 0:
+            raise MemoryError("native DSpark draft: out of memory")
+        toks, surv = tokens[:], survival[:]
+        return ([bool(r) for r in ready], [toks[i * b:(i + 1) * b] for i in range(n)],
+                [surv[i * b:(i + 1) * b] for i in range(n)])
 
     def draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor, greedy: bool):
         """``(base [R, B, V], hidden [R, B, D], tokens [R, B] | None, confidence [R, B] | None)``: the
