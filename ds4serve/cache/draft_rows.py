@@ -122,12 +122,14 @@ class SavedRings:
         self.saved: list[dict[str, torch.Tensor]] = []
         self._native = _plan(state)
         if self._native is not None:  # one C call copies every ring's rows into one buffer
+            # indexes as plain lists in ctypes arrays, the buffer a ctypes one: in a decode step each small
+            # torch op (a tensor, a cat, an empty) cost 10-40 us, more than the copy
             plan = self._native
-            self._index_all = torch.cat([self._index(per) for per in plan.lengths])
+            index = [i for per in plan.lengths for i in self._rows_of(per)]
+            self._index_all = (c_int64 * len(index))(*index)
             self._n = sum(s.n for s in self.spans)
-            self._buf = torch.empty(self._n * plan.row_bytes, dtype=torch.uint8)
-            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all.data_ptr(), self._n,
-                                         self._buf.data_ptr(), None, 0, 0)
+            self._buf = ctypes.create_string_buffer(self._n * plan.row_bytes)
+            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all, self._n, self._buf, None, 0, 0)
             return
         for st in state.layers:
             layer = {}
@@ -137,14 +139,17 @@ class SavedRings:
                     layer[name] = ring.index_select(0, self._index(ring.shape[0] // state.n_slots))
             self.saved.append(layer)
 
-    def _index(self, per: int) -> torch.Tensor:
+    def _rows_of(self, per: int) -> list[int]:
         """Ring rows of every draft position, spans in order, for rings of ``per`` rows a slot."""
+        for s in self.spans:
+            if s.n >= per:
+                raise ValueError(f"a draft of {s.n} rows does not fit a ring of {per} rows (max_draft)")
+        return [s.slot * per + (s.first + i) % per for s in self.spans for i in range(s.n)]
+
+    def _index(self, per: int) -> torch.Tensor:
+        """``_rows_of`` as a tensor on the state's device (the torch form)."""
         if per not in self._rows:
-            for s in self.spans:
-                if s.n >= per:
-                    raise ValueError(f"a draft of {s.n} rows does not fit a ring of {per} rows (max_draft)")
-            rows = [s.slot * per + (s.first + i) % per for s in self.spans for i in range(s.n)]
-            self._rows[per] = torch.tensor(rows, dtype=torch.long, device=self.state.device)
+            self._rows[per] = torch.tensor(self._rows_of(per), dtype=torch.long, device=self.state.device)
         return self._rows[per]
 
     def restore(self, accepted: Sequence[int]) -> None:
@@ -160,9 +165,9 @@ class SavedRings:
         if not picks:
             return
         if self._native is not None:
-            plan, at = self._native, torch.tensor(picks, dtype=torch.int64)
-            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all.data_ptr(), self._n,
-                                         self._buf.data_ptr(), at.data_ptr(), len(picks), 1)
+            plan = self._native
+            _library.get().ds4_ring_rows(len(plan.rings), plan.refs, self._index_all, self._n, self._buf,
+                                         (c_int64 * len(picks))(*picks), len(picks), 1)
             return
         # one contiguous run (a single draft's rejected tail, the usual case): slices, not gathers
         run = picks[-1] - picks[0] + 1 == len(picks)
