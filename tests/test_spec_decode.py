@@ -169,6 +169,48 @@ def test_ngram_drafts_commit_what_plain_decoding_commits(n_prompts, mode, llm_fa
     assert figures["drafted_tokens"] > 0 and 0 < figures["accepted_tokens"] < figures["drafted_tokens"], figures
 
 
+def _outputs(core, reqs) -> dict[str, list]:
+    """Every RequestOutput of ``reqs``, by request, stepping ``core`` until idle."""
+    for r in reqs:
+        core.add(r)
+    got: dict[str, list] = {r.request_id: [] for r in reqs}
+    while core.has_work:
+        for out in core.step():
+            got[out.request_id].append(out)
+    return got
+
+
+def test_an_accepted_run_streams_as_one_output_and_a_stop_inside_it_ends_it_there(llm_factory):
+    """A step commits a draft's accepted run and the target's token after it: they go out as one output
+    (tokens and logprobs in order, the concatenation of a request's outputs is its text), and a stop id
+    the run reaches ends the request at that token, in that output, the rest of the run dropped."""
+    prompts = [_repetitive(40 + 7 * i, seed=20 + i) for i in range(3)]
+    plain = llm_factory("A", max_seqs=4, host_kernels="on")
+    spec = llm_factory("A", max_seqs=4, host_kernels="on", speculative=NGRAM, warmup=False)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+    want = [plain.core.make_request(RequestSpec(p, params)) for p in prompts]
+    feed(plain.core, want)
+    reqs = [spec.core.make_request(RequestSpec(p, params)) for p in prompts]
+    got = _outputs(spec.core, reqs)
+    for r, w in zip(reqs, want):
+        outs = got[r.request_id]
+        assert [t for o in outs for t in o.new_token_ids] == w.output_ids
+        assert all(len(o.logprobs) == len(o.new_token_ids) for o in outs if o.new_token_ids)
+        assert [lp for o in outs if o.new_token_ids for lp in o.logprobs] == w.output_logprobs
+    assert max(len(o.new_token_ids) for outs in got.values() for o in outs) > 1  # runs were accepted
+    # a stop id inside a run: each request stops at the first place plain decoding wrote the id chosen
+    for w, p in zip(want, prompts):
+        at = next(i for i in range(12, len(w.output_ids)) if w.output_ids[i] not in w.output_ids[:i])
+        stop = w.output_ids[at]
+        q = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+        req = spec.core.make_request(RequestSpec(p, q))
+        outs = _outputs(spec.core, [req])[req.request_id]
+        assert req.output_ids == w.output_ids[:at + 1]
+        assert outs[-1].finished and outs[-1].finish_reason == "stop" and outs[-1].new_token_ids[-1] == stop
+        assert [t for o in outs for t in o.new_token_ids] == req.output_ids
+    assert spec.core.leaks() == ""
+
+
 def test_metrics_report_drafts_with_vllm_names(llm_factory):
     """The server's /metrics series come from the core's stats snapshot: totals and per position."""
     from ds4serve.server.metrics import Metrics

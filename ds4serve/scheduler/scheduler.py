@@ -26,7 +26,7 @@ from collections import Counter, deque
 from ..cache.manager import CacheManager
 from ..engine.encoder import EncoderWorker, ImageState
 from ..multimodal.chunking import next_chunk
-from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
+from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult,
                            StepStatus)
 from .drafting import DraftPolicy, count_draft
 from .step_costs import StepCosts
@@ -192,9 +192,10 @@ class Scheduler(MemoryPressure, Speculation):
             decoders = [r for r in self._lane(lane) if r.status is RequestStatus.DECODING]
             drafts = self._drafts(decoders, lane)
             growth = {r.slot: r.computed + 1 + len(drafts.get(r.request_id, ())) for r in decoders}
-            if drafts and not self.cache.reserve(growth):  # no pages for the drafts: decode without them
+            reserved = bool(drafts) and self.cache.reserve(growth)
+            if drafts and not reserved:  # no pages for the drafts: decode without them
                 drafts, growth = {}, {r.slot: r.computed + 1 for r in decoders}
-            if self.cache.reserve(growth):
+            if reserved or self.cache.reserve(growth):
                 break
             if not self._preempt():
                 break
@@ -315,10 +316,8 @@ class Scheduler(MemoryPressure, Speculation):
             if tok.status is RowStatus.FAILED:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
                 continue
-            for t, lp in zip(tok.accepted, tok.accepted_logprobs):  # a stop inside the run ends it there
-                self._accept(req, SampledToken(tok.request_id, tok.slot, t, logprob=lp[0] if lp else None,
-                                               top_logprobs=lp[1] if lp else None))
-            self._accept(req, tok)
+            last = (tok.logprob, tok.top_logprobs or ()) if tok.logprob is not None else None
+            self._accept(req, (*tok.accepted, tok.token), (*tok.accepted_logprobs, last))
             req.proposal, req.proposal_at = tok.proposal, req.computed  # drafted for its next decode row
             req.proposal_survival = tok.proposal_survival
         for req in advanced:
@@ -412,24 +411,35 @@ class Scheduler(MemoryPressure, Speculation):
                 req.status = RequestStatus.DECODING
         return done
 
-    def _accept(self, req: Request, tok) -> None:
+    def _accept(self, req: Request, tokens: tuple[int, ...], lps: tuple) -> None:
+        """Commit a decoder's tokens of this step: its draft's accepted run, then its own token (``lps``:
+        each one's ``(logprob, top)`` or None). A stop id or the length limit inside the run ends the
+        request there; what was committed goes out as one output (a drafted run streams as one chunk: one
+        output a token cost the serving loop a detokenize and a message each)."""
         if req.status.finished:
             return
-        req.output_ids.append(tok.token)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
-        lp = (tok.logprob, tok.top_logprobs or ()) if tok.logprob is not None else None
-        req.output_logprobs.append(lp)
         p = req.params
-        n_out = len(req.output_ids)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_ids))
-        if tok.token in stop_ids and n_out >= p.min_tokens:
-            self._finish(req, RequestStatus.FINISHED_STOP, new=(tok.token, lp))
-        elif n_out >= p.max_tokens or req.total_len >= self.limits.max_model_len:
-            self._finish(req, RequestStatus.FINISHED_LENGTH, new=(tok.token, lp))
+        status, n = RequestStatus.DECODING, 0
+        for token, lp in zip(tokens, lps):
+            req.output_ids.append(token)
+            req.output_logprobs.append(lp)
+            n += 1
+            n_out = len(req.output_ids)
+            if token in stop_ids and n_out >= p.min_tokens:
+                status = RequestStatus.FINISHED_STOP
+                break
+            if n_out >= p.max_tokens or req.total_len >= self.limits.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+                break
+        new = (tuple(tokens[:n]), tuple(lps[:n]) if all(lp is not None for lp in lps[:n]) else None)
+        if status is RequestStatus.DECODING:
+            req.status = status
+            self._emit(req, *new)
         else:
-            req.status = RequestStatus.DECODING
-            self._emit(req, (tok.token,), (lp,) if lp else None)
+            self._finish(req, status, new=new)
 
     def _emit(self, req: Request, tokens: tuple[int, ...], logprobs) -> None:
         self._outputs.append(RequestOutput(
@@ -466,8 +476,8 @@ class Scheduler(MemoryPressure, Speculation):
         self.stats[key] += 1
         if new is None:
             self._emit(req, (), None)
-        else:
-            self._emit(req, (new[0],), (new[1],) if new[1] else None)
+        else:  # the tokens committed in the step that ended it, and their logprobs (None: not asked)
+            self._emit(req, *new)
         self.requests.pop(req.request_id, None)
 
     # ---- introspection ---------------------------------------------------------------------------
