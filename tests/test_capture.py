@@ -104,3 +104,21 @@ def test_the_native_forward_captures_in_one_call_and_refuses_layers_outside_its_
         with pytest.raises(ValueError, match="captured layers"):
             host.forward_captured(view, layers, True, start, stop)
     cache.drop(slot)
+
+
+def test_rows_of_one_native_capture_are_that_matrix_and_anything_else_is_concatenated():
+    """``rows`` of ``split``'s views is the forward's own matrix (no copy); captures from separate tensors
+    (a torch forward's, a pass's layers) or not in ``layers`` order are concatenated as before."""
+    plan = CapturePlan((1, 2, 3), mean_hc=True)
+    whole = torch.randn(4, 3 * 8)
+    into: dict[int, torch.Tensor] = {}
+    plan.split(plan.layers, whole, into)
+    assert plan.rows(into) is whole
+    apart = {layer: whole[:, j * 8:(j + 1) * 8].clone() for j, layer in enumerate(plan.layers)}
+    assert torch.equal(plan.rows(apart), whole) and plan.rows(apart) is not whole
+    swapped = {1: into[2], 2: into[1], 3: into[3]}
+    assert torch.equal(plan.rows(swapped), torch.cat([into[2], into[1], into[3]], dim=1))
+    partial: dict[int, torch.Tensor] = {}
+    plan.split((1, 2), whole[:, :16], partial)  # a slice's layers (one view of a view: not the whole matrix)
+    partial[3] = whole[:, 16:]
+    assert torch.equal(plan.rows(partial), whole)

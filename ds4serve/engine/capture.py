@@ -73,4 +73,12 @@ class CapturePlan:
         if missing:
             raise RuntimeError(f"the forward captured no output of layer(s) {missing}")
         parts = [into[layer] for layer in self.layers]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(parts) == 1:
+            return parts[0]
+        whole = parts[0]._base  # ``split``'s views of one native forward's matrix: that matrix is the answer
+        if (whole is not None and whole.dim() == 2 and whole.is_contiguous() and whole.shape[0] == parts[0].shape[0]
+                and whole.shape[1] == sum(p.shape[1] for p in parts)
+                and all(p._base is whole and p.storage_offset() == whole.storage_offset() + j * p.shape[1]
+                        and p.shape[1] == parts[0].shape[1] for j, p in enumerate(parts))):
+            return whole
+        return torch.cat(parts, dim=1)

@@ -84,8 +84,14 @@ def row_states(state: SamplerState, draft: tuple[int, ...], device: torch.device
     """The state each of a decoder's rows is sampled with (``[state]`` without a draft): row ``i`` has
     ``output + d_1 .. d_i`` as its history, so its penalties, ``min_tokens`` bans and draw (keyed by the
     history's length) are plain decoding's at that index. The request's base seed is fixed first
-    (``rng`` draws it once), so every row shares it."""
-    if draft and not state.params.greedy and state.base_seed is None:
+    (``rng`` draws it once), so every row shares it. A greedy row with no logit bias, penalty, grammar or
+    ``min_tokens`` ban left reads nothing of its history: such a decoder's rows share its own state."""
+    if not draft:
+        return [state]
+    p = state.params
+    if p.greedy and not p.logit_bias and not p.penalised and state.constraint is None and not state.banned_ids():
+        return [state] * (1 + len(draft))  # nothing such a row samples with depends on its history
+    if not p.greedy and state.base_seed is None:
         state.rng(device)
     return [state] + [SamplerState(state.params, state.prompt_ids, _Extended(state.output_ids, draft[:i]),
                                    state.eos_ids, base_seed=state.base_seed, constraint=state.constraint, drafted=i)

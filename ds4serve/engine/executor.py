@@ -284,7 +284,7 @@ class Executor:
         t0 = time.perf_counter()
         proposals = self.drafts.propose(asks)
         spent = time.perf_counter() - t0
-        return [dataclasses.replace(t, proposal=proposals[t.slot].tokens, proposal_survival=proposals[t.slot].survival)
+        return [t.with_proposal(proposals[t.slot].tokens, proposals[t.slot].survival)
                 if t.slot in proposals else t for t in tokens], (spent, len(asks), self.drafts.timing)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
@@ -458,7 +458,7 @@ class Executor:
 
     def _settled(self, o: _Owner, v: Verified) -> SampledToken:
         tok = self._token(o, v.draw)
-        return dataclasses.replace(tok, accepted=v.accepted, accepted_logprobs=v.accepted_logprobs) if v.accepted else tok
+        return tok.with_run(v.accepted, v.accepted_logprobs) if v.accepted else tok
 
     def _verify(self, logits: torch.Tensor, owners: list[_Owner]) -> list[SampledToken]:
         """A model drafter's blocks: exact rejection sampling against the ``q`` each was drawn from
