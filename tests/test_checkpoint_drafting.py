@@ -187,6 +187,31 @@ def test_survival_rows_take_the_budget_best_first():
     assert got == {"a": (7,), "b": (30, 31, 32)}
 
 
+def test_a_block_none_of_which_pays_counts_against_the_rate_and_a_budget_cut_does_not():
+    """A block whose first row already lowers tokens per second is not verified and goes into the
+    request's rate as a draft rejected at once, so a request whose blocks are never used stops asking for
+    them (its drafter forward costs every step); a block left out only for want of rows is not held
+    against it. (At 4 streams of the bundled model every decoder drafted a block a step and none was
+    verified: the engine ran at 0.83-0.88x of plain decoding with nothing drafted.)"""
+    from ds4serve.scheduler.drafting import DraftPolicy
+
+    policy = DraftPolicy(k=5, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=100, source="model", share=1.0)
+    costs = (1e-3, 0.0, 1e-4)  # beside 4 decoders a row pays above an estimate of 0.4 (a rate of 0.44)
+    reqs = [_survival_case((0.35, 0.3, 0.2, 0.1, 0.05), rid=f"r{i}") for i in range(4)]
+    rates = [r.draft_rate for r in reqs]
+    assert policy.plan(reqs, _limits(), costs) == {}
+    assert all(r.draft_rate < before for r, before in zip(reqs, rates))
+    for _ in range(10):
+        policy.plan(reqs, _limits(), costs)
+    assert all(not policy.pays(r, 4, costs, 0.0, 512) for r in reqs)  # its rate fell below the bar
+    # a budget of one spare row: the best block's first row is taken, the others wait without a mark
+    cheap = (1e-3, 0.0, 1e-6)
+    a, b = _survival_case((0.9, 0.8), rid="a"), _survival_case((0.8, 0.7), (30, 31), rid="b")
+    before = b.draft_rate
+    assert policy.plan([a, b], dataclasses.replace(_limits(), step_tokens=3), cheap) == {"a": (7,)}
+    assert b.draft_rate == before
+
+
 def test_a_drafter_whose_estimates_ran_high_gets_shorter_blocks():
     """The estimates are scaled by what they were worth for this request: after drafts whose accepted
     tokens fell well short of their estimates, the same block is cut earlier (and back to whole once the
