@@ -113,3 +113,34 @@ def test_a_slow_first_read_does_not_turn_drafting_off():
     before = charged_blocks.block_cost
     charged_blocks.observe_blocks(1.0 + 0.05e-3, 1, verified=4, block_seconds=1.0)
     assert charged_blocks.block_cost < before * 1.2
+
+
+def test_the_engine_keeps_drafting_after_a_slow_prompt_read():
+    """The bundled model with its DSpark drafter, whose reading of prompt rows is made slow (1 ms a row,
+    a sleep in the commit): the scheduler charges that read to nobody's blocks, so the request drafts
+    from its first decode step on, and the drafter's block cost is its forward's."""
+    import json
+    import time
+
+    from ds4serve.bench.spec_bench import TINY, prompts
+    from ds4serve.llm import LLM
+
+    llm = LLM(TINY, max_seqs=1, speculative=json.dumps({"method": "dspark"}))
+    model = llm.core.executor.drafts.model
+    for name in ("commit_entries", "commit"):  # whichever path the engine takes for this drafter
+        inner = getattr(model, name, None)
+        if inner is None:
+            continue
+
+        def slow(*args, _inner=inner, **kw):
+            rows = sum(len(e[2]) for e in args[0]) if _inner.__name__ == "commit_entries" else args[1].shape[0]
+            if rows > 16:  # a prompt's chunk (a decode step commits a handful)
+                time.sleep(1e-3 * rows)
+            return _inner(*args, **kw)
+
+        setattr(model, name, slow)
+    got = llm.generate(prompts(1, llm.core.cfg.vocab_size), max_tokens=48, temperature=0.0, ignore_eos=True)
+    assert len(got[0]) == 48
+    figures = llm.core.stats.speculation
+    assert figures.get("drafted_tokens", 0) > 0, dict(figures)
+    assert llm.core.scheduler.step_costs.block_cost < 0.05  # the blocks' forward, not the 0.24 s read
