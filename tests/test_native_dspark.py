@@ -189,7 +189,7 @@ def test_the_engine_takes_the_c_drafter_beside_the_host_forward(ck):
 
 
 def test_ready_agrees_with_the_rings_completeness_after_gaps_and_hits(ck):
-    """``NativeDSparkDrafts.ready`` (one ``aminmax`` a request, from the rings' addressing) answers what
+    """``NativeDSparkDrafts.ready`` (in C, from the rings' addressing) answers what
     ``DSparkRings.complete`` answers, for rings committed with gaps, from a later start (a prefix hit),
     emptied, and at every anchor position around and past the window."""
     import random

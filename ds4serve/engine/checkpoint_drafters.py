@@ -75,7 +75,6 @@ class NativeDSparkDrafts(DSparkDrafts):
     def __init__(self, weights: DSparkWeights, target, capacity: int):
         super().__init__(weights, target, capacity)
         self.native = NativeDSpark(weights, target, self.rings)
-        self._window = weights.config.window
 
     def commit(self, states, positions, tokens, hidden, owners) -> None:
         if positions.shape[0] == 0:
@@ -107,19 +106,8 @@ class NativeDSparkDrafts(DSparkDrafts):
         return self.native.propose_greedy([s.slot for s in states], anchors, anchor_positions)
 
     def ready(self, states, last: torch.Tensor) -> list[bool]:
-        """``DSparkRings.complete`` by the rings' addressing: ring row ``r`` only ever holds a position
-        ``q = r (mod window)`` (or -1), so the window ``[max(0, p - window + 1), p]`` is whole exactly
-        when every row it needs holds a position inside it: one ``aminmax`` a request (the loop over the
-        ring's rows cost ~30 us a step)."""
-        out = []
-        for s, p in zip(states, last.tolist()):
-            if p < 0:  # nothing committed before the block: no row to see
-                out.append(True)
-                continue
-            row = self.rings.pos[s.slot]
-            lo, hi = torch.aminmax(row if p + 1 >= self._window else row[:p + 1])
-            out.append(int(lo) >= max(0, p - self._window + 1) and int(hi) <= p)
-        return out
+        """``DSparkRings.complete`` in C (``NativeDSpark.ready``, the rule ``propose_greedy`` applies too)."""
+        return self.native.ready([s.slot for s in states], last.tolist())
 
     def draft(self, states, anchors, anchor_positions, pick) -> Block:
         greedy = bool(getattr(pick, "greedy", False))

@@ -81,6 +81,8 @@ def _load() -> ctypes.CDLL:
         lib.ds_commit_rows.restype = c_int
         lib.ds_propose_greedy.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 8
         lib.ds_propose_greedy.restype = c_int
+        lib.ds_ready.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 4
+        lib.ds_ready.restype = None
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -176,6 +178,16 @@ class NativeDSpark:
         if self.lib.ds_commit_rows(ctypes.byref(self.model), n, (c_void_p * n)(*rows), (c_int64 * n)(*positions),
                                    (c_int64 * n)(*slots), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
             raise MemoryError("native DSpark commit: out of memory")
+
+    def ready(self, slots: list[int], last: list[int]) -> list[bool]:
+        """Whether each ring holds every row a block after committed position ``last[i]`` may see: its
+        window ``[max(0, last - window + 1), last]`` whole (``DSparkRings.complete``, by the rings'
+        addressing: ring row ``q`` only ever holds a position ``= q (mod window)`` or -1)."""
+        n = len(slots)
+        out = (c_int64 * n)()
+        self.lib.ds_ready(ctypes.byref(self.model), n, (c_int64 * n)(*slots), (c_int64 * n)(*last),
+                          self.rings.pos.data_ptr(), out)
+        return [bool(r) for r in out]
 
     def propose_greedy(self, slots: list[int], anchors: list[int], anchor_positions: list[int]
                        ) -> tuple[list[bool], list[list[int]], list[list[float]]]:

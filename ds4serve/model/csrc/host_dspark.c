@@ -545,6 +545,15 @@ static int ds_whole(const DSModel *m, int64_t slot, int64_t last, const int64_t 
     return 1;
 }
 
+/* ds_whole of R requests: ready[r] for pool slot slots[r] after committed position last[r] */
+void ds_ready(const DSModel *m, int64_t R, const int64_t *slots, const int64_t *last, const int64_t *ring_pos,
+              int64_t *ready) {
+    for (int64_t r = 0; r < R; r++) {
+        BOUND("dspark slot", slots[r], m->d.capacity);
+        ready[r] = ds_whole(m, slots[r], last[r], ring_pos);
+    }
+}
+
 /* The greedy proposal of R requests in one call: for each, whether its ring is whole for the block at
    anchor_pos[r] (ready[r]; ModelDrafts counts the others as not ready), and where it is, ds_draft's greedy
    tokens [R, B] and the survival estimate [R, B]: the running product of the confidences as torch.cumprod
