@@ -45,6 +45,11 @@ _STAGE = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_ba
           "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")
 _HEADS = ("main_proj", "main_norm", "norm", "head_fn", "head_base", "head_scale", "w1", "w2", "wc", "embed", "lm_head",
           "inv_freq")
+# the linears host_dspark.c's ds_linear_rows reads transposed ([in, out] contiguous; stacked ones per expert)
+_KN_STAGE = frozenset({"attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight",
+                       "experts.gate_up", "experts.down", "ffn.shared_experts.w1.weight",
+                       "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight"})
+_KN_HEADS = frozenset({0, 7})  # main_proj, markov w2
 
 
 class _Dims(Structure):
@@ -121,6 +126,17 @@ def unsupported(weights: DSparkWeights, target) -> str | None:
     return None
 
 
+def _kn(name: str, t: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """Stage tensor ``name`` as host_dspark.c reads it: a linear of ``_KN_STAGE`` transposed (``[.., in,
+    out]``, made contiguous by ``_ptr``: a copy the size of the drafter's linears, the torch drafter keeps
+    the stored one), ``attn.wo_a`` per output group (``[G, in / G, o_lora]``), anything else as stored."""
+    if t is None or t.dim() < 2:
+        return t
+    if name == "attn.wo_a.weight":
+        return t.reshape(groups, t.shape[0] // groups, t.shape[1]).transpose(1, 2)
+    return t.transpose(-1, -2) if name in _KN_STAGE else t
+
+
 class NativeDSpark:
     """The C drafter bound to one drafter's weights, the target's shared embedding and head, and one
     ``DSparkRings`` pool (whose tensors the C calls read and write in place)."""
@@ -136,7 +152,7 @@ class NativeDSpark:
         lm_kn = lm.dim() == 2 and lm.stride() == (1, lm.shape[0])  # stored [D, V] (host_forward's in-place transpose)
         self._keep: list[torch.Tensor] = []  # every tensor a pointer below points into
         self._stages = (_Stage * len(weights.stages))(*[
-            _Stage(*[self._ptr(st.get(name)) for name in _STAGE]) for st in weights.stages])
+            _Stage(*[self._ptr(_kn(name, st.get(name), tc.o_groups)) for name in _STAGE]) for st in weights.stages])
         st0 = weights.stages[0]
         shared = st0.get("ffn.shared_experts.w1.weight")
         dims = dict(D=tc.hidden_size, hc=tc.hc_mult, H=tc.num_heads, hd=tc.head_dim, rd=tc.rope_dim,
@@ -151,6 +167,7 @@ class NativeDSpark:
                  last["hc_head_base"], last["hc_head_scale"], last["markov_head.markov_w1.weight"],
                  last["markov_head.markov_w2.weight"], last["confidence_head.proj.weight"],
                  target.model.embed_tokens.weight, lm, _rope_freqs(cfg, "cpu")]
+        heads = [t.t() if i in _KN_HEADS else t for i, t in enumerate(heads)]
         self.model = _Model(d, self._stages, *[self._ptr(t, raw=(i == 10 and lm_kn)) for i, t in enumerate(heads)])
         self.vocab, self.block, self.hidden = dims["V"], cfg.block_size, tc.hidden_size
 

@@ -4,9 +4,10 @@
    MoE, the head, five Markov slots), 2.3-3.3 ms on two cores for arithmetic worth ~0.05 ms, against a
    ~0.7 ms target decode step: drafting cost more than it saved. Here the same network runs as plain
    loops over raw fp32 pointers, one request at a time, every row in a fixed order, so a request's
-   drafts never depend on the batch it is drafted in. Products are dot products over the weight's
-   contiguous input axis, accumulated in whole vectors with the explicit vfma of host.h (the build
-   uses -ffp-contract=off), four outputs at once for independent chains.
+   drafts never depend on the batch it is drafted in. The block's products read each linear transposed
+   ([in, out], a copy NativeDSpark keeps) and accumulate output vectors along the input axis with the
+   explicit vfma of host.h (the build uses -ffp-contract=off), a weight vector shared by up to four rows
+   (ds_linear_rows); the few narrow ones (router, mHC, confidence) are dot products (ds_dots).
 
    Its own translation unit (native_dspark.py builds it): it includes host.h for the vector type and
    vfma only, and no other part, so the trunk's kernels can change without touching it.
@@ -26,13 +27,16 @@ typedef struct {  /* field order: native_dspark.py _Dims */
     float eps, hc_eps, limit, rscale;
 } DSDims;
 
-typedef struct {  /* one stage's tensors, all fp32, [out, in] contiguous (native_dspark.py _Stage) */
+/* one stage's tensors, all fp32 and contiguous (native_dspark.py _Stage): the linears read by
+   ds_linear_rows transposed, [in, out] (wq_a, wq_b, wkv, wo_b, the shared experts; wo_a [G, in / G, o_lora]
+   and the experts [E, in, out], per group / expert), the rest as stored */
+typedef struct {
     const float *hc_attn_fn, *hc_attn_base, *hc_attn_scale, *hc_ffn_fn, *hc_ffn_base, *hc_ffn_scale;
     const float *attn_norm, *ffn_norm, *wq_a, *q_norm, *wq_b, *wkv, *kv_norm, *sink, *wo_a, *wo_b;
     const float *gate, *gate_bias, *gate_up, *down, *sh_w1, *sh_w3, *sh_w2;
 } DSStage;
 
-typedef struct {  /* native_dspark.py _Model */
+typedef struct {  /* native_dspark.py _Model; main_proj [L * D, D] and w2 [rank, V] transposed too */
     DSDims d;
     const DSStage *stages;
     const float *main_proj, *main_norm, *norm, *head_fn, *head_base, *head_scale, *w1, *w2, *wc;
@@ -87,15 +91,73 @@ static void ds_dots(const float *x, const float *w, int64_t n0, int64_t n1, int6
     }
 }
 
-/* y[r, :] = W x[r, :] for `rows` rows (x stride ldx, y stride ldy): blocks of 16 weight rows outer, the
-   rows inner, so a weight is read from memory once per call, not once per row (the drafter's ~1.5 MB
-   of weights outgrow L2). Each output is ds_dots's, whatever `rows` is: batch-invariant. */
-#define DS_NB 16
-static void ds_linear_rows(const float *x, int64_t ldx, int64_t rows, const float *w, int64_t n_out, int64_t k,
+/* y[r, :] = x[r, :] W^T for `rows` rows (x stride ldx, y stride ldy), from the weight transposed: wt [K, N]
+   contiguous (NativeDSpark keeps that copy of each [N, K] linear). Output vectors are accumulated along k
+   with the block's rows inner, so one weight vector feeds up to DS_KN_R rows' multiply-adds from registers:
+   ds_dots over [N, K] spent a horizontal sum per output and ran at a third of this on the drafter's K of
+   128-384 (half of a block's time). Every output is one chain of fused multiply-adds in k order from 0,
+   in a vector lane or (the last N % VW outputs) in sfma: the same bits whatever `rows`, the grouping or
+   the lane, so a request's block does not depend on its batch. */
+#define DS_KN_R 4
+#define DS_KN_V 4
+/* R rows (<= DS_KN_R) over panels of NV output vectors (<= DS_KN_V): R x NV independent chains */
+static inline __attribute__((always_inline)) void ds_kn_group(const float *x, int64_t ldx, const float *wt,
+                                                              int64_t n_out, int64_t k, float *y, int64_t ldy,
+                                                              const int R, const int NV) {
+    int64_t nv = n_out - n_out % VW, n = 0;
+    for (; n + NV * VW <= nv; n += NV * VW) {
+        vf a[DS_KN_R][DS_KN_V];
+        for (int j = 0; j < R; j++)
+            for (int v = 0; v < NV; v++) a[j][v] = vsplat(0);
+        for (int64_t i = 0; i < k; i++) {
+            vf w[DS_KN_V];
+            for (int v = 0; v < NV; v++) w[v] = vload(wt + i * n_out + n + v * VW);
+            for (int j = 0; j < R; j++) {
+                vf xv = vsplat(x[j * ldx + i]);
+                for (int v = 0; v < NV; v++) a[j][v] = vfma(w[v], xv, a[j][v]);
+            }
+        }
+        for (int j = 0; j < R; j++)
+            for (int v = 0; v < NV; v++) vstore(y + j * ldy + n + v * VW, a[j][v]);
+    }
+    for (; n < nv; n += VW) {
+        vf a[DS_KN_R];
+        for (int j = 0; j < R; j++) a[j] = vsplat(0);
+        for (int64_t i = 0; i < k; i++) {
+            vf w0 = vload(wt + i * n_out + n);
+            for (int j = 0; j < R; j++) a[j] = vfma(w0, vsplat(x[j * ldx + i]), a[j]);
+        }
+        for (int j = 0; j < R; j++) vstore(y + j * ldy + n, a[j]);
+    }
+    for (; n < n_out; n++)
+        for (int j = 0; j < R; j++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++) acc = sfma(wt[i * n_out + n], x[j * ldx + i], acc);
+            y[j * ldy + n] = acc;
+        }
+}
+
+/* groups of DS_KN_R rows over 2-vector panels, the last 1-3 rows over wider ones (chains enough to hide
+   the multiply-add latency with fewer rows) */
+static void ds_linear_rows(const float *x, int64_t ldx, int64_t rows, const float *wt, int64_t n_out, int64_t k,
                            float *y, int64_t ldy) {
-    for (int64_t n = 0; n < n_out; n += DS_NB) {
-        int64_t n1 = n + DS_NB < n_out ? n + DS_NB : n_out;
-        for (int64_t r = 0; r < rows; r++) ds_dots(x + r * ldx, w, n, n1, k, y + r * ldy);
+    int64_t r = 0;
+    for (; r + DS_KN_R <= rows; r += DS_KN_R)
+        ds_kn_group(x + r * ldx, ldx, wt, n_out, k, y + r * ldy, ldy, DS_KN_R, 2);
+    switch (rows - r) {
+        case 3: ds_kn_group(x + r * ldx, ldx, wt, n_out, k, y + r * ldy, ldy, 3, 2); break;
+        case 2: ds_kn_group(x + r * ldx, ldx, wt, n_out, k, y + r * ldy, ldy, 2, 4); break;
+        case 1: ds_kn_group(x + r * ldx, ldx, wt, n_out, k, y + r * ldy, ldy, 1, 4); break;
+        default: break;
+    }
+}
+
+/* y[r, :] = W x[r, :] for `rows` rows of x [rows, K] over W [N, K] as stored (an LM head the host forward
+   left [V, D]): blocks of 16 weight rows outer, the rows inner, so a weight is read once per call */
+static void ds_dots_rows(const float *x, int64_t rows, const float *w, int64_t n_out, int64_t k, float *y) {
+    for (int64_t n = 0; n < n_out; n += 16) {
+        int64_t n1 = n + 16 < n_out ? n + 16 : n_out;
+        for (int64_t r = 0; r < rows; r++) ds_dots(x + r * k, w, n, n1, k, y + r * n_out);
     }
 }
 
@@ -256,22 +318,35 @@ static void ds_attend(const DSModel *m, const DSStage *st, int64_t s, const floa
             att[w] = expf(att[w] - mx);
             sum += att[w];
         }
+        for (int64_t w = 0; w < W + B; w++)  /* the weights, divided once (not once per output vector) */
+            if (w >= W || valid[w]) att[w] /= sum;
         float *oh = o + h * hd;
         int64_t cv = hd - hd % VW;
-        for (int64_t c = 0; c < cv; c += VW) {
+        int64_t c0 = 0;
+        for (; c0 + 4 * VW <= cv; c0 += 4 * VW) {  /* keys outer: four chains in registers, each in key order */
+            vf a0 = vsplat(0), a1 = vsplat(0), a2 = vsplat(0), a3 = vsplat(0);
+            for (int64_t w = 0; w < W + B; w++) {
+                if (w < W && !valid[w]) continue;
+                const float *key = (w < W ? ring + (w * d->S + s) * hd : kv + (w - W) * hd) + c0;
+                vf p = vsplat(att[w]);
+                a0 = vfma(p, vload(key), a0), a1 = vfma(p, vload(key + VW), a1);
+                a2 = vfma(p, vload(key + 2 * VW), a2), a3 = vfma(p, vload(key + 3 * VW), a3);
+            }
+            vstore(oh + c0, a0), vstore(oh + c0 + VW, a1), vstore(oh + c0 + 2 * VW, a2), vstore(oh + c0 + 3 * VW, a3);
+        }
+        for (; c0 < cv; c0 += VW) {
             vf a = vsplat(0);
             for (int64_t w = 0; w < W + B; w++) {
                 if (w < W && !valid[w]) continue;
-                const float *key = w < W ? ring + (w * d->S + s) * hd : kv + (w - W) * hd;
-                a = vfma(vsplat(att[w] / sum), vload(key + c), a);
+                a = vfma(vsplat(att[w]), vload((w < W ? ring + (w * d->S + s) * hd : kv + (w - W) * hd) + c0), a);
             }
-            vstore(oh + c, a);
+            vstore(oh + c0, a);
         }
         for (int64_t c = cv; c < hd; c++) {
             float a = 0.0f;
             for (int64_t w = 0; w < W + B; w++) {
                 if (w < W && !valid[w]) continue;
-                a = sfma(att[w] / sum, (w < W ? ring + (w * d->S + s) * hd : kv + (w - W) * hd)[c], a);
+                a = sfma(att[w], (w < W ? ring + (w * d->S + s) * hd : kv + (w - W) * hd)[c], a);
             }
             oh[c] = a;
         }
@@ -478,7 +553,7 @@ static void ds_block(const DSModel *m, int64_t anchor, int64_t p0, const float *
         ds_rms(hidden + b * D, m->norm, D, d->eps, x + b * D);
     }
     if (d->lm_kn) ds_linear_kn_rows(x, B, m->lm_head, d->V, D, base);
-    else ds_linear_rows(x, D, B, m->lm_head, d->V, D, base, d->V);
+    else ds_dots_rows(x, B, m->lm_head, d->V, D, base);
 }
 
 /* the Markov and confidence heads, greedy (dspark.markov_sample with an argmax sampler) */
@@ -489,7 +564,7 @@ static void ds_markov_greedy(const DSModel *m, int64_t anchor, const float *base
     float *logits = ws, *hm = logits + V, c;
     for (int64_t i = 0; i < d->B; i++) {
         const float *mrow = m->w1 + prev * r;
-        ds_linear(mrow, m->w2, V, r, logits);
+        ds_linear_rows(mrow, r, 1, m->w2, V, r, logits, V);
         int64_t best = 0;
         for (int64_t v = 0; v < V; v++) {
             logits[v] = base[i * V + v] + logits[v];
