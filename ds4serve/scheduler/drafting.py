@@ -79,8 +79,8 @@ class DraftPolicy:
     forced: bool = True
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
-             draft_cost: float = 0.0, step: int = 0, prefill: Callable[[], int] | None = None
-             ) -> dict[str, tuple[int, ...]]:
+             draft_cost: float = 0.0, step: int = 0, prefill: Callable[[], int] | None = None,
+             per_draft: float = 0.0) -> dict[str, tuple[int, ...]]:
         """Drafts for this step: ``{request_id: tokens}`` within ``share`` of the step's spare rows and
         within the rows that the ``prefill()`` prompt tokens waiting for this step leave
         (``scheduler.speculation``; asked only once a draft could be planned), for requests whose
@@ -88,13 +88,14 @@ class DraftPolicy:
         ``step_costs.StepCosts``; the calibrated forward's by default) and, for a checkpoint drafter, for
         its ``draft_cost`` seconds a verified draft row. ``step``: the scheduler's step count; requests
         below the bar probe together when it is a multiple of ``PROBE_EVERY`` (so a checkpoint drafter
-        runs once for all of them, not once a step for one)."""
+        runs once for all of them, not once a step for one). ``per_draft``: what a step spends per decoder
+        carrying a draft beyond its rows (``StepCosts.per_draft``), charged to a draft as a whole."""
         spare = limits.prefill_tokens(len(decoders))
         budget = int(spare * self.share)
         costs = limits.step_costs if costs is None else costs
         out: dict[str, tuple[int, ...]] = {}
         surviving: list[Request] = []  # model blocks whose length the survival estimate decides (below)
-        bar = self._bar(len(decoders), costs, draft_cost)  # the same for every request of the step
+        bar = self._bar(len(decoders), costs, draft_cost, per_draft)  # the same for every request of the step
         if budget <= 0:
             return out
         if bar >= self._limit():  # no acceptance rate can pay beside this many decoders: not even a probe
@@ -117,16 +118,20 @@ class DraftPolicy:
                 surviving.append(req)
                 continue
             draft = self._candidate(req, n) if n > 0 else ()
+            if draft and not probe and not self._whole_pays(req.draft_rate, len(draft), len(decoders), costs,
+                                                             draft_cost, per_draft):
+                req.draft_skipped += 1
+                draft = ()
             draft = forced if len(forced) >= len(draft) else draft
             if draft:
                 out[req.request_id] = draft
                 budget -= len(draft)
         if surviving and budget > 0:
-            out.update(self._by_survival(surviving, len(decoders), costs, limits.max_model_len, budget))
+            out.update(self._by_survival(surviving, len(decoders), costs, limits.max_model_len, budget, per_draft))
         return out
 
     def _by_survival(self, reqs: Sequence[Request], n: int, costs: Sequence[float], max_model_len: int,
-                     budget: int) -> dict[str, tuple[int, ...]]:
+                     budget: int, per_draft: float = 0.0) -> dict[str, tuple[int, ...]]:
         """The rows of checkpoint-drafter blocks that raise the step's expected tokens per second (§5.3's
         verify budget). Row ``i`` of a block is accepted with probability ``s_i``, the drafter's survival
         estimate at ``i`` (the product of its confidences) scaled by the request's record of what such
@@ -134,8 +139,10 @@ class DraftPolicy:
         ``a + b n + c D`` (the blocks are drafted already: their drafter seconds are spent whatever is
         verified, so a row costs its verification alone; whether to draft a block at all is ``wants_block``'s
         question) and yields ``n + sum s`` tokens; adding a row of estimate ``s`` raises that ratio iff
-        ``s > c (n + sum s) / (a + b n + c D)``.
-        Rows are taken best first across requests (each block's estimates fall along it, so a block is
+        ``s > c (n + sum s) / (a + b n + c D)``. A block's first rows also cost ``per_draft`` (what a step
+        spends per decoder carrying a draft: ``StepCosts.per_draft``), so a block opens with the prefix whose
+        estimates pay best for it (``_opening``) and grows a row at a time after that.
+        Chunks are taken best first across requests (each block's estimates fall along it, so a block is
         always cut to a prefix) while they pass, within ``budget`` rows. Against the rate rule's
         ``rows_that_pay``, a confident block is verified whole and a doubtful one is cut where it turns
         doubtful, whatever the request's past. A block of which no row pays (the budget aside) counts
@@ -143,39 +150,58 @@ class DraftPolicy:
         was spent for nothing, and a request whose blocks are never verified must stop asking for them (at 4
         streams of the bundled model every decoder drafted a block a step and none was verified: 0.83-0.88x)."""
         a, b, row_cost = costs if len(costs) == 3 else (1.0, 0.0, 0.0)
-        heads: list[tuple[float, int, int]] = []
         blocks: list[tuple[float, ...]] = []
+        heads: list[tuple[float, int, int, int]] = []  # (-(gain / seconds), request, first row, rows)
         for i, req in enumerate(reqs):
             block = self._allowed(req, self._proposal(req, self._length(req, max_model_len, self.k)))
             scale = req.survival_scale
             blocks.append(tuple(min(1.0, s * scale) for s in req.proposal_survival[:len(block)]))
             if blocks[-1]:
-                heapq.heappush(heads, (-blocks[-1][0], i, 0))
+                rows = _opening(blocks[-1], row_cost, per_draft)
+                heapq.heappush(heads, (-_ratio(sum(blocks[-1][:rows]), per_draft + row_cost * rows), i, 0, rows))
         tokens, seconds = float(n), a + b * n
         taken = [0] * len(reqs)
-        unpaid = False  # the loop stopped at a row that does not pay (not at the budget)
+        unpaid = False  # the loop stopped at rows that do not pay (not at the budget)
         while heads and budget > 0:
-            neg, i, pos = heapq.heappop(heads)
-            if -neg * seconds <= row_cost * tokens:
+            _, i, pos, rows = heapq.heappop(heads)
+            rows = min(rows, budget)
+            gain = sum(blocks[i][pos:pos + rows])
+            cost = row_cost * rows + (per_draft if pos == 0 else 0.0)
+            if gain * seconds <= cost * tokens:
                 unpaid = True
-                break  # no row left raises tokens per second: every other estimate is lower still
-            taken[i], tokens, seconds, budget = pos + 1, tokens - neg, seconds + row_cost, budget - 1
-            if pos + 1 < len(blocks[i]):
-                heapq.heappush(heads, (-blocks[i][pos + 1], i, pos + 1))
+                break  # nothing left raises tokens per second: every other chunk pays less still
+            taken[i], tokens, seconds, budget = pos + rows, tokens + gain, seconds + cost, budget - rows
+            if taken[i] < len(blocks[i]):
+                heapq.heappush(heads, (-_ratio(blocks[i][taken[i]], row_cost), i, taken[i], 1))
         for req, block, t in zip(reqs, blocks, taken):
             if block and not t and (unpaid or not heads):
                 refused(req)  # a block not one row of which pays: into the rate, as a draft stopped at once
         return {req.request_id: req.proposal[:t] for req, t in zip(reqs, taken) if t}
 
-    def bar(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> float:
+    def bar(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
+            per_draft: float = 0.0) -> float:
         """The acceptance rate ``req``'s draft must beat beside ``n`` decoders: ``worth``, with a checkpoint
         drafter's seconds per draft row verified (``StepCosts.draft_cost``). 1 or more: no rate
         can pay, so the request neither drafts nor probes (a probe could only confirm a loss). The
-        same for every request of a step (``_bar``)."""
-        return self._bar(n, costs, draft_cost)
+        same for every request of a step (``_bar``). ``per_draft`` (``StepCosts.per_draft``) is charged to
+        the rows as a share of a whole draft's ``k``."""
+        return self._bar(n, costs, draft_cost, per_draft)
 
-    def _bar(self, n: int, costs: Sequence[float], draft_cost: float) -> float:
-        return MARGIN * worth(n, tuple(costs), draft_cost if self.source == "model" else 0.0)
+    def _bar(self, n: int, costs: Sequence[float], draft_cost: float, per_draft: float = 0.0) -> float:
+        return MARGIN * worth(n, tuple(costs), (draft_cost if self.source == "model" else 0.0) + per_draft / self.k)
+
+    def _whole_pays(self, rate: float, rows: int, n: int, costs: Sequence[float], draft_cost: float,
+                    per_draft: float) -> bool:
+        """Whether a draft of ``rows`` rows at acceptance ``rate`` pays as a whole beside ``n`` decoders:
+        its expected tokens (``rate + rate^2 + ...``, each worth a plain step's time per token) against its
+        verification (``per_draft`` once, a row cost each, the drafter's ``draft_cost`` a row). The rate
+        bar charges ``per_draft`` as if every draft were ``k`` rows long; a short one pays less of it back."""
+        if len(costs) != 3 or rows <= 0:
+            return True
+        a, b, c = costs
+        gain = sum(rate ** i for i in range(1, rows + 1)) * (a + b * n) / n
+        extra = draft_cost if self.source == "model" else 0.0
+        return gain > MARGIN * (per_draft + (c + extra) * rows)
 
     def _limit(self) -> float:
         """The bar at which drafting stops, probes included: 1 for n-gram drafts (no rate can pay past
@@ -183,22 +209,24 @@ class DraftPolicy:
         return FOLLOW_LIMIT if self.source == "model" else 1.0
 
     def turns(self, reqs: Sequence[Request], n: int, costs: Sequence[float], draft_cost: float,
-              step: int, plain_next: bool = False) -> list[tuple[bool, bool]]:
+              step: int, plain_next: bool = False, per_draft: float = 0.0) -> list[tuple[bool, bool]]:
         """``turn`` of each of ``reqs`` beside ``n`` decoders, the bar worked out once for the step (a
         decode step asks this of every decoder: per request, the bar's arithmetic was a tenth of a 4-stream
         step of the bundled model). ``plain_next``: the next step runs without drafts (``StepCosts.baseline``),
         so no block is drafted for it."""
-        bar = self._bar(n, costs, draft_cost) if self.source == "model" else 1.0
+        bar = self._bar(n, costs, draft_cost, per_draft) if self.source == "model" else 1.0
         if bar >= self._limit():
             return [(False, False)] * len(reqs)
         probe_next = (step + 1) % PROBE_EVERY == 0
         return [(not plain_next and (probe_next or req.draft_rate > bar), True) for req in reqs]
 
-    def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
+    def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
+             per_draft: float = 0.0) -> bool:
         """Whether ``req``'s acceptance rate pays for its draft beside ``n`` decoders (``bar``)."""
-        return req.draft_rate > self.bar(req, n, costs, draft_cost, max_model_len)
+        return req.draft_rate > self.bar(req, n, costs, draft_cost, max_model_len, per_draft)
 
-    def follows(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int) -> bool:
+    def follows(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
+                per_draft: float = 0.0) -> bool:
         """Whether a checkpoint drafter keeps ``req``'s committed rows this step (``DecodeRow.follow``): while
         drafting could plausibly pay (``bar`` below ``FOLLOW_LIMIT``), as the request drafts or probes from
         them. Once it cannot (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
@@ -206,26 +234,26 @@ class DraftPolicy:
         whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
         if self.source != "model":
             return False
-        return self.bar(req, n, costs, draft_cost, max_model_len) < FOLLOW_LIMIT
+        return self.bar(req, n, costs, draft_cost, max_model_len, per_draft) < FOLLOW_LIMIT
 
     def turn(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
-             step: int) -> tuple[bool, bool]:
+             step: int, per_draft: float = 0.0) -> tuple[bool, bool]:
         """``(propose, follow)`` of ``req``'s decode row beside ``n`` decoders: whether a checkpoint
         drafter drafts its next block after this step (``wants_block``), and keeps its rows (``follows``);
         neither for n-gram drafts, which are looked up here when a step is planned."""
         if self.source != "model":
             return False, False
-        return (self.wants_block(req, n, costs, draft_cost, max_model_len, step),
-                self.follows(req, n, costs, draft_cost, max_model_len))
+        return (self.wants_block(req, n, costs, draft_cost, max_model_len, step, per_draft),
+                self.follows(req, n, costs, draft_cost, max_model_len, per_draft))
 
     def wants_block(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
-                    step: int = 0) -> bool:
+                    step: int = 0, per_draft: float = 0.0) -> bool:
         """Whether a checkpoint drafter should draft ``req``'s next block after step ``step``: when its
         rate pays, or when the next step probes (a block costs a drafter forward, verified or not); never
         when no rate could pay (``follows``)."""
-        if not self.follows(req, n, costs, draft_cost, max_model_len):
+        if not self.follows(req, n, costs, draft_cost, max_model_len, per_draft):
             return False
-        return self.pays(req, n, costs, draft_cost, max_model_len) or (step + 1) % PROBE_EVERY == 0
+        return self.pays(req, n, costs, draft_cost, max_model_len, per_draft) or (step + 1) % PROBE_EVERY == 0
 
     def _forced(self, req: Request, n: int) -> tuple[int, ...]:
         """Up to ``n`` tokens ``req``'s grammar forces next (a schema's keys and punctuation; ``forced_tokens``):
@@ -278,6 +306,23 @@ class DraftPolicy:
         want = rows_that_pay(req.draft_rate, bar, self.k) if want is None else want
         room = min(req.params.max_tokens - len(req.output_ids), max_model_len - req.total_len) - 1
         return max(0, min(want, room, self.max_rows))
+
+
+def _ratio(gain: float, seconds: float) -> float:
+    return gain / seconds if seconds > 0.0 else math.inf
+
+
+def _opening(estimates: Sequence[float], row_cost: float, per_draft: float) -> int:
+    """The rows a block opens with: the prefix of ``estimates`` with the most expected tokens per second
+    of its verification (``per_draft`` once, ``row_cost`` a row); 1 without a cost per draft, where the
+    first row (the likeliest) pays best."""
+    best, best_rows, gain = -1.0, 1, 0.0
+    for rows, s in enumerate(estimates, 1):
+        gain += s
+        r = _ratio(gain, per_draft + row_cost * rows)
+        if r > best:
+            best, best_rows = r, rows
+    return best_rows
 
 
 @functools.lru_cache(maxsize=256)  # asked for every row of every step, with a handful of distinct arguments

@@ -332,7 +332,8 @@ class Scheduler(MemoryPressure, Speculation):
                                            sum(len(d.draft) for d in plan.decodes), result.block_s)
         if self.drafting is not None and plan.decodes and not plan.passes:
             self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
-                                    time.perf_counter() - self._planned_at - result.draft_s)
+                                    time.perf_counter() - self._planned_at - result.draft_s,
+                                    sum(1 for d in plan.decodes if d.draft))
         self.step_costs.applied()
         return self.take_outputs()
 

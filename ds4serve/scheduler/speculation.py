@@ -27,7 +27,8 @@ class Speculation:
         if self.drafting is None:
             return [(False, False)] * len(reqs)
         return self.drafting.turns(reqs, n, self.step_costs.costs(), self.step_costs.draft_cost, self._schedules,
-                                   plain_next=self.step_costs.baseline(n, self._schedules + 1))
+                                   plain_next=self.step_costs.baseline(n, self._schedules + 1),
+                                   per_draft=self.step_costs.per_draft)
 
     def _drafts(self, decoders: list[Request], lane: int | None = None) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter, within the
@@ -35,7 +36,8 @@ class Speculation:
         if self.drafting is None or not decoders or self.step_costs.baseline(len(decoders), self._schedules):
             return {}
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
-                                  self._schedules, prefill=lambda: self._prefill_demand(lane))
+                                  self._schedules, prefill=lambda: self._prefill_demand(lane),
+                                  per_draft=self.step_costs.per_draft)
 
     def _prefill_demand(self, lane: int | None) -> int:
         """Prompt tokens ``lane`` could prefill this step: the passes in flight, and each prefilling request's

@@ -14,6 +14,14 @@ them alone and ``c`` from what the drafting steps cost beyond that (``_fit_apart
 per-request verification cost the joint fit spread over ``b``). A checkpoint drafter's own forward is
 charged per draft row it got verified (``draft_cost``), not per token of the block it drafted.
 
+A drafting step also costs something per request that carries a draft, whatever its length (the verify
+rows' own forward path, settling the draft, the drafter's bookkeeping): on the bundled model ~0.3 ms a
+drafting step at one stream against ~0.05-0.1 ms a verified row. Fitted as a row cost alone, it made a row
+look dearer the shorter the blocks got (0.09 ms at 3.5 rows a block, 0.4 at 1.5): blocks were cut shorter,
+rows looked dearer still, and drafting switched itself off at 0.7-0.93x of plain decoding. So ``_fit_apart``
+fits the drafting steps' excess as ``c D + e k`` (``k`` decoders carrying a draft) and ``per_draft`` is
+``e``: ``drafting.DraftPolicy`` charges it to a draft as a whole.
+
 What keeps the fit honest where a server drafts on every step: the prior's corners fade as real steps
 of their kind come (``_prior_weight``); a step in ``BASELINE_EVERY`` runs plain while the window lacks
 plain steps of its width (``baseline``), so the plain cost at that width is timed, not extrapolated from
@@ -55,32 +63,39 @@ class StepCosts:
     def __init__(self, prior: Sequence[float] = ()):
         self.prior = tuple(prior)
         self.block_cost = 0.0  # seconds a checkpoint drafter takes to draft one block (a running average)
-        self._steps: deque[tuple[int, int, float]] = deque()
+        self._steps: deque[tuple[int, int, float, int]] = deque()  # (n, D, seconds, k), see ``observe``
         self._plain: Counter[int] = Counter()  # plain steps in the window, by width
         self._drafted: Counter[int] = Counter()  # drafting steps in the window, by width
         self._sums = [0.0] * 9
         self._since_fit = 0
         self._fitted: tuple[float, ...] = self.prior
+        self._per_draft = 0.0  # ``e``: seconds a drafting step spends per decoder carrying a draft (``_fit_apart``)
         self._draft_s = self._draft_rows = 0.0  # decayed sums: drafter seconds, draft rows verified
         self.gap = 0.0  # seconds the serving loop spends between steps (running average, observe_gap)
         self._applied_at: float | None = None
 
-    def observe(self, decoders: int, draft_rows: int, seconds: float) -> None:
-        """One decode-only step: ``decoders`` rows of their own, ``draft_rows`` more, ``seconds`` from
-        planning to the end of applying it."""
+    def observe(self, decoders: int, draft_rows: int, seconds: float, drafting: int | None = None) -> None:
+        """One decode-only step: ``decoders`` rows of their own, ``draft_rows`` more (carried by ``drafting``
+        of the decoders; one by default when there are any), ``seconds`` from planning to the end of applying it."""
         if decoders <= 0 or not seconds > 0 or seconds == float("inf"):
             return
-        self._steps.append((decoders, draft_rows, seconds))
+        k = (1 if draft_rows else 0) if drafting is None else drafting
+        self._steps.append((decoders, draft_rows, seconds, k))
         self._add(_moments(decoders, draft_rows, seconds, 1.0), 1)
         (self._plain if draft_rows == 0 else self._drafted)[decoders] += 1
         if len(self._steps) > WINDOW:
             old = self._steps.popleft()
-            self._add(_moments(*old, 1.0), -1)
+            self._add(_moments(*old[:3], 1.0), -1)
             (self._plain if old[1] == 0 else self._drafted)[old[0]] -= 1
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
-            self._fitted = self._without_spikes(self.fit())
+            self._fitted, self._per_draft = self._without_spikes(*self._fit())
+
+    @property
+    def per_draft(self) -> float:
+        """``e``: what a drafting step costs per decoder carrying a draft beyond its rows (0 until fitted)."""
+        return self._per_draft
 
     def baseline(self, decoders: int, step: int) -> bool:
         """Whether step ``step`` of ``decoders`` decoders should run without drafts, to time a plain step of
@@ -116,7 +131,7 @@ class StepCosts:
         drafting (its sums decay) is tried again."""
         return (self._draft_s + self.block_cost) / (self._draft_rows + PRIOR_BLOCK_ROWS)
 
-    def _without_spikes(self, fitted: tuple[float, ...]) -> tuple[float, ...]:
+    def _without_spikes(self, fitted: tuple[float, ...], per_draft: float = 0.0) -> tuple[tuple[float, ...], float]:
         """``fitted`` again without the steps that took over ``SPIKE`` times what it says they cost. Least
         squares weighs a stalled step (the cores shared with another job, a collector pause) by its square:
         a few of them among the drafting steps, which run longer and so are stalled more often, charged the
@@ -124,16 +139,16 @@ class StepCosts:
         A stall says nothing about what a row costs; a cost that really rose (a slower machine) is not
         a spike for long, as every refit moves the bar with it."""
         if len(fitted) != 3:
-            return fitted
+            return fitted, per_draft
         a, b, c = fitted
-        kept = [s for s in self._steps if s[2] <= SPIKE * (a + b * s[0] + c * s[1])]
+        kept = [s for s in self._steps if s[2] <= SPIKE * (a + b * s[0] + c * s[1] + per_draft * s[3])]
         if len(kept) == len(self._steps) or 2 * len(kept) < len(self._steps):
-            return fitted  # none, or so many that they are the machine's pace now, not stalls
+            return fitted, per_draft  # none, or so many that they are the machine's pace now, not stalls
         sums = [0.0] * 9
         for step in kept:
-            for i, m in enumerate(_moments(*step, 1.0)):
+            for i, m in enumerate(_moments(*step[:3], 1.0)):
                 sums[i] += m
-        return self.fit(kept, sums)
+        return self._fit(kept, sums)
 
     def _add(self, moments: tuple[float, ...], sign: int) -> None:
         for i, m in enumerate(moments):
@@ -166,8 +181,13 @@ class StepCosts:
             return (self._fitted[0] + self.gap, *self._fitted[1:])
         return self._fitted
 
-    def fit(self, steps: Sequence[tuple[int, int, float]] | None = None,
+    def fit(self, steps: Sequence[tuple[int, int, float, int]] | None = None,
             sums: Sequence[float] | None = None) -> tuple[float, ...]:
+        """``(a, b, c)`` of ``_fit`` (``per_draft`` aside)."""
+        return self._fit(steps, sums)[0]
+
+    def _fit(self, steps: Sequence[tuple[int, int, float, int]] | None = None,
+             sums: Sequence[float] | None = None) -> tuple[tuple[float, ...], float]:
         """``(a, b)`` from the plain steps and ``c`` from what the drafting steps cost beyond them
         (``_fit_apart``) once plain steps of two widths are remembered; else weighted least squares of
         ``seconds`` on ``(1, n, D)`` over the steps and the prior's corner pseudo-steps. Each cost clamped
@@ -176,44 +196,43 @@ class StepCosts:
         steps = self._steps if steps is None else steps
         apart = self._fit_apart(steps)
         if apart is not None:
-            return apart
+            return apart[:3], apart[3]
         sums = list(self._sums if sums is None else sums)
         if len(self.prior) == 3:
             a, b, c = self.prior
-            top_n = max(max((n for n, _, _ in steps), default=1), 2)
-            top_d = max((d for _, d, _ in steps), default=1) or 1
+            top_n = max(max((s[0] for s in steps), default=1), 2)
+            top_d = max((s[1] for s in steps), default=1) or 1
             for n in (1, top_n):
                 for d in (0, top_d):
                     for i, m in enumerate(_moments(n, d, a + b * n + c * d, self._prior_weight(n, d))):
                         sums[i] += m
-        elif len({n for n, _, _ in steps}) < 2 or len({d for _, d, _ in steps}) < 2:
-            return self.prior
+        elif len({s[0] for s in steps}) < 2 or len({s[1] for s in steps}) < 2:
+            return self.prior, 0.0
         s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
-        return tuple(max(0.0, v) for v in _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt]))
+        fitted = _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt])
+        return tuple(max(0.0, v) for v in fitted), 0.0
 
-    def _fit_apart(self, steps: Sequence[tuple[int, int, float]]) -> tuple[float, float, float] | None:
-        """The joint fit charges a draft row too little when drafting steps cost more than their rows (the
-        verification's Python, per request) and ``D`` grows with ``n`` (the two are then nearly the same
-        column): on the bundled model, 0.12 ms a draft row where the steps said 0.30. So: ``a + b n`` by
-        least squares over the plain steps (and the prior's plain corners), then ``c`` by least squares
-        through the origin of the drafting steps' excess over it. None until ``APART_MIN_PLAIN`` plain
+    def _fit_apart(self, steps: Sequence[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
+        """``(a, b, c, e)``. The joint fit charges a draft row too little when drafting steps cost more than
+        their rows and ``D`` grows with ``n`` (the two are then nearly the same column): on the bundled
+        model, 0.12 ms a draft row where the steps said 0.30. So: ``a + b n`` by least squares over the
+        plain steps (and the prior's plain corners), then the drafting steps' excess over it by least
+        squares through the origin on ``(D, k)`` (``_excess_fit``). None until ``APART_MIN_PLAIN`` plain
         steps of two widths or more are remembered."""
-        plain = [(n, t) for n, d, t in steps if d == 0]
-        drafted = [(n, d, t) for n, d, t in steps if d > 0]
+        plain = [(s[0], s[2]) for s in steps if s[1] == 0]
+        drafted = [(s[0], s[1], s[2], s[3]) for s in steps if s[1] > 0]
         if not drafted:
             return None
-        line = self._plain_line(plain, max(n for n, _, _ in steps))
+        line = self._plain_line(plain, max(s[0] for s in steps))
         if line is None:
             return None
         a, b = line
-        dd = sum(d * d for _, d, _ in drafted)
-        excess = sum((t - a - b * n) * d for n, d, t in drafted)
-        if len(self.prior) == 3:
-            top_d = max(d for _, d, _ in drafted)
-            pc = self.prior[2]
-            w = self._prior_weight(None, top_d)
-            excess, dd = excess + w * pc * top_d * top_d, dd + w * top_d * top_d
-        return max(0.0, a), max(0.0, b), max(0.0, excess / dd)
+        rows = [(float(d), float(k), t - a - b * n, 1.0) for n, d, t, k in drafted]
+        if len(self.prior) == 3:  # the prior's corner: its row cost, no cost per draft
+            top_d = max(d for _, d, _, _ in drafted)
+            rows.append((float(top_d), 1.0, self.prior[2] * top_d, self._prior_weight(None, top_d)))
+        c, e = _excess_fit(rows)
+        return max(0.0, a), max(0.0, b), c, e
 
     def _prior_weight(self, n: int | None, d: int) -> float:
         """The weight of the calibrated prior's corner at width ``n`` (None: every width) with ``d`` draft
@@ -251,6 +270,32 @@ class StepCosts:
         var = sum(r[2] * (r[0] - mn) ** 2 for r in rows)
         b = sum(r[2] * (r[0] - mn) * (r[1] - mt) for r in rows) / var if var > 0 else 0.0
         return mt - b * mn, b
+
+
+COLLINEAR = 0.01  # drafting steps whose D / k varies less than this (relative) cannot tell c from e
+
+
+def _excess_fit(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, float]:
+    """``(c, e)`` of ``x = c D + e k`` by weighted least squares through the origin over ``rows`` of
+    ``(D, k, x, weight)``, each clamped at 0 (the other refitted alone then). Where ``D / k`` barely varies
+    (every draft the same length) the two cannot be told apart: ``c`` alone, as a cost per row, is then
+    exact for those steps."""
+    sdd = sum(w * d * d for d, _, _, w in rows)
+    sdk = sum(w * d * k for d, k, _, w in rows)
+    skk = sum(w * k * k for _, k, _, w in rows)
+    sdx = sum(w * d * x for d, _, x, w in rows)
+    skx = sum(w * k * x for _, k, x, w in rows)
+    if sdd <= 0.0:
+        return 0.0, 0.0
+    det = sdd * skk - sdk * sdk
+    if det <= COLLINEAR * sdd * skk:
+        return max(0.0, sdx / sdd), 0.0
+    c, e = (skk * sdx - sdk * skx) / det, (sdd * skx - sdk * sdx) / det
+    if e < 0.0:
+        return max(0.0, sdx / sdd), 0.0
+    if c < 0.0:
+        return 0.0, max(0.0, skx / skk)
+    return c, e
 
 
 def _det3(m: Sequence[Sequence[float]]) -> float:
