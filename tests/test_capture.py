@@ -114,10 +114,12 @@ def test_rows_of_one_native_capture_are_that_matrix_and_anything_else_is_concate
     into: dict[int, torch.Tensor] = {}
     plan.split(plan.layers, whole, into)
     assert plan.rows(into) is whole
+    views = {layer: whole[:, j * 8:(j + 1) * 8] for j, layer in enumerate(plan.layers)}
+    assert plan.rows(views) is whole  # views tiling the matrix in order are that matrix too
     apart = {layer: whole[:, j * 8:(j + 1) * 8].clone() for j, layer in enumerate(plan.layers)}
     assert torch.equal(plan.rows(apart), whole) and plan.rows(apart) is not whole
-    swapped = {1: into[2], 2: into[1], 3: into[3]}
-    assert torch.equal(plan.rows(swapped), torch.cat([into[2], into[1], into[3]], dim=1))
+    swapped = {1: views[2], 2: views[1], 3: views[3]}
+    assert torch.equal(plan.rows(swapped), torch.cat([views[2], views[1], views[3]], dim=1))
     partial: dict[int, torch.Tensor] = {}
     plan.split((1, 2), whole[:, :16], partial)  # a slice's layers (one view of a view: not the whole matrix)
     partial[3] = whole[:, 16:]

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -132,6 +133,16 @@ class Proposal:
     survival: tuple[float, ...]
 
 
+@dataclass
+class _Backlog:
+    """A slot's committed rows not handed to the drafter yet: ``(start, ids, hidden rows, whether a prompt
+    chunk's)`` oldest first, and how many rows they hold (kept, not summed: a request that follows without
+    drafting adds a row a step to a backlog of ~``keep_rows`` entries)."""
+
+    entries: deque = field(default_factory=deque)
+    rows: int = 0
+
+
 class ModelDrafts:
     """The drafter's per-slot states and the blocks waiting to be verified."""
 
@@ -142,7 +153,7 @@ class ModelDrafts:
         self.rejection = acceptance == "rejection"
         self._states: dict[int, tuple[str, Any]] = {}
         # rows not yet committed: (start, ids, hidden rows, whether a prompt chunk's)
-        self._backlog: dict[int, list[tuple[int, tuple[int, ...], torch.Tensor, bool]]] = {}
+        self._backlog: dict[int, _Backlog] = {}
         self.pending: dict[int, Proposal] = {}
         self.timing = ProposeTiming()  # the last ``propose``'s
         self.not_ready = 0  # proposals skipped: the drafter's window was not whole (after a prefix hit)
@@ -175,11 +186,11 @@ class ModelDrafts:
             if n <= 0:
                 continue
             self._state(f.request_id, f.slot, f.start)
-            log_ = self._backlog.setdefault(f.slot, [])
-            log_.append((f.start, f.ids[:n], captured[f.row:f.row + n].clone(), f.slot not in kept))
-            total = sum(len(e[1]) for e in log_)
-            while total - len(log_[0][1]) >= self.model.keep_rows:  # whole chunks no drafter will read
-                total -= len(log_.pop(0)[1])
+            log_ = self._backlog.setdefault(f.slot, _Backlog())
+            log_.entries.append((f.start, f.ids[:n], captured[f.row:f.row + n].clone(), f.slot not in kept))
+            log_.rows += n
+            while log_.rows - len(log_.entries[0][1]) >= self.model.keep_rows:  # whole chunks no drafter reads
+                log_.rows -= len(log_.entries.popleft()[1])
 
     def _flush(self, slots: Sequence[int]) -> tuple[int, int]:
         """Hand the backlogs of ``slots`` to the drafter in one batched commit; returns ``(rows, prompt
@@ -188,7 +199,8 @@ class ModelDrafts:
         entries: list[tuple[Any, int, tuple[int, ...], torch.Tensor]] = []
         prompt_rows = 0
         for slot in slots:
-            for start, ids, hidden, prompt in self._backlog.pop(slot, None) or ():
+            log_ = self._backlog.pop(slot, None)
+            for start, ids, hidden, prompt in log_.entries if log_ is not None else ():
                 prompt_rows += len(ids) if prompt else 0
                 entries.append((self._states[slot][1], start, ids, hidden))
         if not entries:
