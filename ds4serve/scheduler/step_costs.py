@@ -36,7 +36,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 WINDOW = 256  # decode-only steps the fit remembers
-REFIT_EVERY = 16  # steps between fits (a fit is a 3x3 solve: cheap, but not free every step)
+REFIT_EVERY = 32  # steps between fits (a fit walks the window: ~0.1-0.3 ms, ~10-20 us a step at 16)
 BLOCK_DECAY = 0.9  # weight of the past in the running cost of drafting one block
 PRIOR_WEIGHT = 4.0  # each corner pseudo-step of the calibrated costs counts as this many observed steps
 APART_MIN_PLAIN = 24  # plain steps the window must hold before a and b come from them alone (``_fit_apart``)
