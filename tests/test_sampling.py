@@ -134,3 +134,38 @@ def test_non_finite_row_fails_alone():
 def test_bad_params_are_rejected(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)
+
+
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(0, 2**31), st.integers(0, 5), st.booleans())
+@settings(max_examples=120, deadline=None)
+def test_the_greedy_fast_path_draws_what_the_general_path_draws(rows, vocab, seed, ties, bad_row):
+    """``sample_rows`` over plain greedy rows (numpy's argmax) equals its general path (torch ops) bit for bit:
+    the first largest value on ties (rows of repeated values), a non-finite row failing alone."""
+    from ds4serve.engine import sampling
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if ties:  # a few values repeated across the row: argmax must take the first of them
+        logits = torch.round(logits * ties) / max(ties, 1)
+    if bad_row:
+        logits[rows // 2, vocab // 2] = float("nan") if seed % 2 else float("inf")
+    states = [state(temperature=0) for _ in range(rows)]
+    fast = sample_rows(logits, states)
+    assert sampling._greedy_draws(logits, states) == fast
+    original, sampling._greedy_draws = sampling._greedy_draws, lambda logits, states: None
+    try:
+        general = sample_rows(logits, states)
+    finally:
+        sampling._greedy_draws = original
+    assert fast == general
+
+
+def test_rows_that_are_not_plain_greedy_take_the_general_path():
+    from ds4serve.engine import sampling
+
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    for kw in (dict(logprobs=1), dict(logit_bias=((0, 5.0),)), dict(min_tokens=2), dict(presence_penalty=0.5),
+               dict(temperature=0.7, seed=1)):
+        assert sampling._greedy_draws(logits, [state(**{"temperature": 0, **kw})]) is None, kw
+    assert sampling._greedy_draws(logits.double(), [state(temperature=0)]) is None
+    assert sampling._greedy_draws(logits, [state(temperature=0)]) == [sampling.Draw(token=2, ok=True)]

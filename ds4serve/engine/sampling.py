@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from .constraints import constrain
@@ -158,11 +159,17 @@ class Draw:
     error: str | None = None
 
 
+NONFINITE = "the model produced non-finite logits for this request"
+
+
 def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Draw]:
     """Sample one token per row of ``logits [N, V]`` (fp32) with each row's own state."""
     n, vocab = logits.shape
     if n == 0:
         return []
+    fast = _greedy_draws(logits, states)
+    if fast is not None:
+        return fast
     finite = torch.isfinite(logits).all(dim=-1)
     logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros_like(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in states) else None
@@ -180,6 +187,28 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Dr
         drawn = torch.stack([_race(probs[j], states[i].rng(logits.device)) for j, i in enumerate(random_rows)])
         tokens = tokens.index_copy(0, idx, drawn)
     return _collect(tokens, finite, raw_logprobs, states)
+
+
+def _plain_greedy(s: SamplerState) -> bool:
+    """A row whose draw is the argmax of its raw logits: greedy, no logprobs, bias, penalties, grammar or
+    banned ids (``min_tokens``)."""
+    p = s.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and not p.penalised and s.constraint is None
+            and not s.banned_ids())
+
+
+def _greedy_draws(logits: torch.Tensor, states: Sequence[SamplerState]) -> list[Draw] | None:
+    """``sample_rows``'s draws where every row is plain greedy (``_plain_greedy``) over host fp32 logits:
+    each finite row's argmax (the first largest value, ``torch.argmax``'s rule and numpy's), in three numpy
+    calls where the general path makes ~8 torch ops (~50 us of a ~0.5 ms decode step of the bundled model,
+    each small op 5-15 us beside a forward). None where it does not apply."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not all(_plain_greedy(s) for s in states):
+        return None
+    x = logits.detach().numpy()
+    finite = np.isfinite(x).all(axis=1).tolist()
+    tokens = x.argmax(axis=1).tolist()
+    return [Draw(token=t, ok=True) if f else Draw(token=-1, ok=False, error=NONFINITE)
+            for t, f in zip(tokens, finite)]
 
 
 def apply_bias(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
@@ -274,7 +303,7 @@ def _collect(tokens, finite, raw_logprobs, states) -> list[Draw]:
     out = []
     for i, s in enumerate(states):
         if not finite_l[i]:
-            out.append(Draw(token=-1, ok=False, error="the model produced non-finite logits for this request"))
+            out.append(Draw(token=-1, ok=False, error=NONFINITE))
             continue
         n_top = s.params.logprobs
         if n_top is None or lp is None:
