@@ -144,3 +144,44 @@ def test_the_engine_keeps_drafting_after_a_slow_prompt_read():
     figures = llm.core.stats.speculation
     assert figures.get("drafted_tokens", 0) > 0, dict(figures)
     assert llm.core.scheduler.step_costs.block_cost < 0.05  # the blocks' forward, not the 0.24 s read
+
+
+@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
+def test_a_request_is_followed_again_only_where_its_rings_can_catch_up(tokens, drafts_after):
+    """The bundled model with its DSpark drafter; for steps 4-9 the step costs say no draft could pay, so those
+    steps run without the drafter capturing (a gap in the request's rings, whole again 128 positions later).
+    A 64-token answer ends before that: it is not followed again (no capture, no block). A 320-token one
+    catches up and drafts again. Greedy output is plain decoding's either way."""
+    import json
+
+    from ds4serve.bench.spec_bench import TINY, prompts
+    from ds4serve.llm import LLM
+
+    llm = LLM(TINY, max_seqs=1, speculative=json.dumps({"method": "dspark"}))
+    plain = LLM(TINY, max_seqs=1)
+    sched = llm.core.scheduler
+
+    class Pinned(StepCosts):  # the costs the rule reads, fixed (a timed fit would make the test the host's)
+        draft_cost = 0.05e-3
+        per_draft = 0.1e-3
+
+        def costs(self):
+            return (1e-3, 0.0, 1.0) if 4 <= sched._schedules < 10 else (0.6e-3, 0.0, 0.05e-3)
+
+    sched.step_costs.__class__ = Pinned
+    drafted_after: list[int] = []
+    followed_after: list[bool] = []
+    apply = sched.apply
+
+    def counting(plan, result):
+        if sched._schedules >= 10:
+            followed_after.append(any(d.follow or d.propose for d in plan.decodes))
+            drafted_after.append(sum(len(d.draft) for d in plan.decodes))
+        return apply(plan, result)
+
+    sched.apply = counting
+    prompt = prompts(1, llm.core.cfg.vocab_size)
+    got = llm.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    assert got == plain.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    assert any(followed_after) is drafts_after and (sum(drafted_after) > 0) is drafts_after, (followed_after,
+                                                                                            drafted_after)

@@ -323,3 +323,23 @@ def test_the_loops_work_between_steps_counts_in_a_steps_cost():
     model.observe_gap(GAP_MAX * 10)  # the loop idle, waiting for requests: not a cost
     assert model.gap == pytest.approx(0.15e-3)
     assert model.costs() == pytest.approx((0.65e-3, 0.1e-3, 0.05e-3))
+
+
+def test_a_request_whose_rings_cannot_catch_up_is_not_followed():
+    """A step no checkpoint drafter captures leaves the decoders' positions out of its rings, which are whole
+    again only ``follow_window`` positions later: a request that ends before that is not followed (nor asked
+    for blocks) whatever the bar, one with room to catch up is, and one with no gap always is."""
+    costs = (0.6e-3, 0.0, 0.05e-3)
+    policy = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source="model",
+                         follow_window=128)
+    req = _decoders(1, 0.9)[0]  # an 8-token prompt, 50 tokens at most: positions up to 57
+    assert policy.turns([req], 1, costs, 0.0, 1) == [(True, True)] and policy.follows(req, 1, costs, 0.0, 512)
+    req.unfollowed_at = 10
+    assert policy.turns([req], 1, costs, 0.0, 1) == [(False, False)]
+    assert policy.turn(req, 1, costs, 0.0, 512, 1) == (False, False)
+    roomy = Request("r9", RequestSpec(prompt_ids=(1, 2, 3), params=SamplingParams(max_tokens=400, temperature=0.0)))
+    roomy.output_ids.append(3)
+    roomy.draft_rate, roomy.unfollowed_at = 0.9, 10
+    assert policy.turns([roomy], 1, costs, 0.0, 1) == [(True, True)]
+    unknown = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source="model")
+    assert unknown.turns([req], 1, costs, 0.0, 1) == [(True, True)]  # no window known: the bar alone decides

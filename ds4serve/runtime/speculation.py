@@ -110,4 +110,4 @@ def _checkpoint_policy(cfg: ModelConfig, spec: SpeculativeConfig, cache: CacheMa
              "take at most %.0f%% of a step's calibrated spare rows", what, k, 100 * spec.draft_share)
     return DraftPolicy(k=k, min_n=1, max_n=1, window=1, max_rows=room, vocab_size=cfg.vocab_size,
                        share=spec.draft_share, source="model", confidence=spec.confidence_threshold,
-                       forced=spec.acceptance == "coupled")
+                       forced=spec.acceptance == "coupled", follow_window=drafter.keep_rows)

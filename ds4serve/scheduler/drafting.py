@@ -77,6 +77,9 @@ class DraftPolicy:
     # a grammar's forced tokens may stand in for a model block (``forced_tokens``); not under rejection
     # sampling, which verifies a model draft against the q its block was drawn from
     forced: bool = True
+    # a checkpoint drafter's window (its rings' rows): a request whose rings lack a position drafts again only
+    # ``follow_window`` positions later (``catches_up``); 0: not known, following is the bar's alone
+    follow_window: int = 0
 
     def plan(self, decoders: Sequence[Request], limits: SchedulerLimits, costs: Sequence[float] | None = None,
              draft_cost: float = 0.0, step: int = 0, prefill: Callable[[], int] | None = None,
@@ -218,7 +221,18 @@ class DraftPolicy:
         if bar >= self._limit():
             return [(False, False)] * len(reqs)
         probe_next = (step + 1) % PROBE_EVERY == 0
-        return [(not plain_next and (probe_next or req.draft_rate > bar), True) for req in reqs]
+        return [(not plain_next and (probe_next or req.draft_rate > bar), True) if self.catches_up(req)
+                else (False, False) for req in reqs]
+
+    def catches_up(self, req: Request) -> bool:
+        """Whether ``req``'s drafter rings can be whole again before it ends: none lacks a position, or the
+        latest they lack (``unfollowed_at``, a step that ran without capturing) is ``follow_window``
+        positions and a block before the request's last. Following a request that cannot draft again costs
+        its captures and commits for nothing (at 4 streams of the bundled model the bar crossed the follow
+        limit back and forth, and the requests followed, never whole, at ~10% of the step)."""
+        if not self.follow_window or req.unfollowed_at < 0:
+            return True
+        return req.unfollowed_at + self.follow_window + self.k < len(req.prompt_ids) + req.params.max_tokens
 
     def pays(self, req: Request, n: int, costs: Sequence[float], draft_cost: float, max_model_len: int,
              per_draft: float = 0.0) -> bool:
@@ -232,7 +246,7 @@ class DraftPolicy:
         them. Once it cannot (a full batch, a slow drafter), the step runs without the capture split, as a plain step;
         the drafter's rings then miss those positions and the request drafts again only once they are
         whole (``ModelDrafts.propose``'s ``ready``), never from a ring with holes."""
-        if self.source != "model":
+        if self.source != "model" or not self.catches_up(req):
             return False
         return self.bar(req, n, costs, draft_cost, max_model_len, per_draft) < FOLLOW_LIMIT
 

@@ -72,6 +72,7 @@ class MemoryPressure:
                 return False
         req.slot = slot
         req.proposal_at = -1  # a model drafter's block belongs to the slot it was drafted in (model_drafts.take)
+        req.unfollowed_at = -1  # its rings are rebuilt or checked afresh in the new slot (ModelDrafts' ready)
         self.parked.remove(req)
         self._enter_running(req)
         self.stats["resumed"] += 1

@@ -91,6 +91,9 @@ class Request:
     proposal: tuple[int, ...] = ()  # a model drafter's block, drafted for the decode row at ``proposal_at``
     proposal_at: int = -1
     proposal_survival: tuple[float, ...] = ()  # the drafter's confidence product at each block position
+    # the latest position a step fed without a checkpoint drafter capturing it (its rings lack it until
+    # ``window`` positions later; -1: none known): ``DraftPolicy`` stops following where they never catch up
+    unfollowed_at: int = -1
     # decayed sums of the tokens its model drafts got accepted and of the survival estimates of those rows
     # (scheduler.drafting.record): how far the drafter's estimates are to be believed for this request
     survival_hits: float = 0.0

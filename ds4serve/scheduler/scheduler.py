@@ -139,6 +139,7 @@ class Scheduler(MemoryPressure, Speculation):
             decodes, passes = self._plan_lane(lane)
             if decodes or passes:
                 break
+        self._note_unfollowed(decodes, passes)
         retired = self.passes.take_retired()
         plan = StepPlan(step_id=next(self._step_ids), decodes=tuple(decodes), passes=tuple(passes),
                         retired=retired)
@@ -202,6 +203,18 @@ class Scheduler(MemoryPressure, Speculation):
         return [DecodeRow(r.request_id, r.slot, r.computed, r.output_ids[-1] if r.output_ids else r.prompt_ids[-1],
                           r.sampler, drafts.get(r.request_id, ()), *turn)
                 for r, turn in zip(decoders, self._turns(decoders, len(decoders)))]
+
+    def _note_unfollowed(self, decodes: list[DecodeRow], passes: list[PassSlice]) -> None:
+        """A step that a checkpoint drafter does not capture (no decoder follows, proposes or drafts and no
+        whole pass follows: ``Executor._captures``) leaves each decoder's position out of its rings."""
+        if self.drafting is None or self.drafting.source != "model" or not decodes:
+            return
+        if any(d.follow or d.propose or d.draft for d in decodes) or any(
+                m.follow for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers
+                for m in p.members):
+            return
+        for d in decodes:
+            self.requests[d.request_id].unfollowed_at = d.position
 
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
