@@ -341,6 +341,13 @@ MUTANTS = [
     Mutant("d9", "following: the backlog's row count not kept (old rows trimmed too early / never)",
            "ds4serve/engine/model_drafts.py", "            log_.rows += n\n", "            log_.rows += 2 * n\n",
            ("tests/test_model_draft_engine.py", "tests/test_checkpoint_drafting.py", "tests/test_native_dspark.py")),
+    Mutant("d10", "following: a request whose rings cannot catch up before it ends is followed again",
+           "ds4serve/scheduler/drafting.py",
+           "        return req.unfollowed_at + self.follow_window + self.k < len(req.prompt_ids) + req.params.max_tokens",
+           "        return True", ("tests/test_draft_timing.py", "tests/test_step_costs.py")),
+    Mutant("s17", "greedy fast path: non-finite rows drawn as if finite", "ds4serve/engine/sampling.py",
+           "    finite = np.isfinite(x).all(axis=1).tolist()", "    finite = [True] * x.shape[0]",
+           ("tests/test_sampling.py",)),
     # FP8 on bf16 pairs (host_f8pairs.c; the native kernel's mutants need AVX-512 BF16 + VBMI to be built)
     Mutant("x1", "FP8 pairs: the two weight rows of a pair swapped in the interleave", "ds4serve/model/csrc/host_f8pairs.c",
            "f8p_ix[p] = (uint8_t)(p % 2 ? 64 + col : col);", "f8p_ix[p] = (uint8_t)(p % 2 ? col : 64 + col);",
