@@ -204,18 +204,6 @@ class Scheduler(MemoryPressure, Speculation):
                           r.sampler, drafts.get(r.request_id, ()), *turn)
                 for r, turn in zip(decoders, self._turns(decoders, len(decoders)))]
 
-    def _note_unfollowed(self, decodes: list[DecodeRow], passes: list[PassSlice]) -> None:
-        """A step that a checkpoint drafter does not capture (no decoder follows, proposes or drafts and no
-        whole pass follows: ``Executor._captures``) leaves each decoder's position out of its rings."""
-        if self.drafting is None or self.drafting.source != "model" or not decodes:
-            return
-        if any(d.follow or d.propose or d.draft for d in decodes) or any(
-                m.follow for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers
-                for m in p.members):
-            return
-        for d in decodes:
-            self.requests[d.request_id].unfollowed_at = d.position
-
     def _plan_prefill(self, decode_rows: int, lane: int | None = None) -> list[PassSlice]:
         """``decode_rows``: the decoders' rows this step (drafts included; a draft row costs a decode row)."""
         L = self.limits.num_layers

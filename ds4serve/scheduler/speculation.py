@@ -11,7 +11,7 @@ the drafts' later rows: ``drafting.rows_that_pay``). A binary rule (no drafts wh
 prefills) was tried before and starves drafting where prompts are short and slots turn over fast; the
 rows left over beside small prompts are free.
 
-A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes``, ``_lane``,
+A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes``, ``requests``, ``_lane``,
 ``_images`` and step count).
 """
 
@@ -38,6 +38,19 @@ class Speculation:
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self._schedules, prefill=lambda: self._prefill_demand(lane),
                                   per_draft=self.step_costs.per_draft)
+
+    def _note_unfollowed(self, decodes, passes) -> None:
+        """A step that a checkpoint drafter does not capture (no decoder follows, proposes or drafts and no
+        whole pass follows: ``Executor._captures``) leaves each decoder's position out of its rings
+        (``Request.unfollowed_at``, which ``DraftPolicy.catches_up`` reads)."""
+        if self.drafting is None or self.drafting.source != "model" or not decodes:
+            return
+        if any(d.follow or d.propose or d.draft for d in decodes) or any(
+                m.follow for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers
+                for m in p.members):
+            return
+        for d in decodes:
+            self.requests[d.request_id].unfollowed_at = d.position
 
     def _prefill_demand(self, lane: int | None) -> int:
         """Prompt tokens ``lane`` could prefill this step: the passes in flight, and each prefilling request's
