@@ -34,7 +34,7 @@ from .decode_graphs import DecodeRunner, resolve_mode
 from .drafted import Verified, row_states, settle
 from .model_drafts import Ask, Fed, ModelDrafts, ProposeTiming
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
-                   StepStatus)
+                   StepStatus, drafter_captures)
 from .prompt_scoring import ScoredRows, keep_rows, score
 from .sampling import sample_rows
 from .spec_verify import Draft, verify_rows
@@ -338,10 +338,7 @@ class Executor:
         Otherwise the forward is a plain one: a step where the policy turned drafting off for everyone
         costs what it costs without a drafter (the rows it skips are positions the drafter's rings then
         lack; ``ModelDrafts`` drafts again only once they are whole)."""
-        if self.drafts is None:
-            return False
-        return (any(m.follow for p in whole for m in p.members)
-                or any(d.follow or d.propose or d.draft for d in decodes))
+        return self.drafts is not None and drafter_captures(decodes, whole)
 
     def _view(self, chunks):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,

@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -192,6 +193,14 @@ class StepResult:
     proposals: int = 0
     draft_prompt_s: float = 0.0  # of ``draft_s``: the drafter committing prompt rows (a prefill cost)
     block_s: float = 0.0  # of ``draft_s``: the blocks' own forward
+
+
+def drafter_captures(decodes: Sequence[DecodeRow], whole: Sequence[PassSlice]) -> bool:
+    """Whether a step's merged forward splits for a checkpoint drafter's captures (given it has one): when
+    a prompt chunk the drafter follows runs in a whole pass (``PassMember.follow``) or a decoder follows,
+    drafts or proposes (``DecodeRow.follow``). Otherwise the forward is a plain one and the decoders'
+    positions are missing from the drafter's rings (the executor runs it so; the scheduler notes the gap)."""
+    return any(m.follow for p in whole for m in p.members) or any(d.follow or d.propose or d.draft for d in decodes)
 
 
 def validate_plan(plan: StepPlan, num_layers: int) -> str:

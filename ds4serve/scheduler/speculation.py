@@ -17,6 +17,7 @@ A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes
 
 from __future__ import annotations
 
+from ..engine.plan import drafter_captures
 from .request import Request, RequestStatus
 
 
@@ -45,9 +46,8 @@ class Speculation:
         (``Request.unfollowed_at``, which ``DraftPolicy.catches_up`` reads)."""
         if self.drafting is None or self.drafting.source != "model" or not decodes:
             return
-        if any(d.follow or d.propose or d.draft for d in decodes) or any(
-                m.follow for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers
-                for m in p.members):
+        whole = [p for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers]
+        if drafter_captures(decodes, whole):
             return
         for d in decodes:
             self.requests[d.request_id].unfollowed_at = d.position
