@@ -185,3 +185,46 @@ def test_a_request_is_followed_again_only_where_its_rings_can_catch_up(tokens, d
     assert got == plain.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
     assert any(followed_after) is drafts_after and (sum(drafted_after) > 0) is drafts_after, (followed_after,
                                                                                             drafted_after)
+
+
+@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
+def test_a_prompt_the_drafter_did_not_read_is_followed_only_where_its_rings_can_catch_up(tokens, drafts_after):
+    """The bundled model with its DSpark drafter; while its prompt prefills the step costs say no draft could
+    pay, so the prompt's pass runs without the drafter capturing (its window lacks the prompt's end, whole
+    again 128 positions later). A 64-token answer ends before that: no decode step follows it or asks for a
+    block (before, it was followed and probed to the end, every probe's block refused as not ready). A
+    320-token one catches up and drafts. Greedy output is plain decoding's either way."""
+    import json
+
+    from ds4serve.bench.spec_bench import TINY, prompts
+    from ds4serve.llm import LLM
+
+    llm = LLM(TINY, max_seqs=1, speculative=json.dumps({"method": "dspark"}))
+    plain = LLM(TINY, max_seqs=1)
+    sched = llm.core.scheduler
+
+    class Pinned(StepCosts):
+        draft_cost = 0.05e-3
+        per_draft = 0.1e-3
+
+        def costs(self):
+            return (1e-3, 0.0, 1.0) if sched._schedules <= 1 else (0.6e-3, 0.0, 0.05e-3)
+
+    sched.step_costs.__class__ = Pinned
+    prefilled: list[bool] = []
+    followed: list[bool] = []
+    drafted: list[int] = []
+    apply = sched.apply
+
+    def counting(plan, result):
+        prefilled.extend(m.follow for p in plan.passes for m in p.members)
+        followed.append(any(d.follow or d.propose for d in plan.decodes))
+        drafted.append(sum(len(d.draft) for d in plan.decodes))
+        return apply(plan, result)
+
+    sched.apply = counting
+    prompt = prompts(1, llm.core.cfg.vocab_size)
+    got = llm.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    assert got == plain.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    assert prefilled and not any(prefilled)  # the prompt ran without the drafter
+    assert any(followed) is drafts_after and (sum(drafted) > 0) is drafts_after, (followed, drafted)

@@ -343,3 +343,20 @@ def test_a_request_whose_rings_cannot_catch_up_is_not_followed():
     assert policy.turns([roomy], 1, costs, 0.0, 1) == [(True, True)]
     unknown = DraftPolicy(k=4, min_n=1, max_n=1, window=1, max_rows=7, vocab_size=1000, source="model")
     assert unknown.turns([req], 1, costs, 0.0, 1) == [(True, True)]  # no window known: the bar alone decides
+
+
+@pytest.mark.parametrize("prior_scale", [0.8, 1.0, 1.25])
+def test_a_window_without_drafting_steps_keeps_the_calibrated_row_cost(prior_scale):
+    """No drafting step was timed, so nothing measured a draft row: its cost stays the calibration's (scaled as
+    the plain steps are to the calibration), wherever the calibrated line lies against the plain steps. The
+    joint fit gave the prior's drafting corners' distance from the plain steps' line instead: 0.05 ms a row
+    became 0.23 with a calibration a quarter high, and drafting was priced out by a cost no draft had shown."""
+    prior = (0.4e-3 * prior_scale, 0.1e-3 * prior_scale, 0.05e-3)
+    model = StepCosts(prior)
+    rnd = random.Random(0)
+    for i in range(WINDOW):
+        n = 4 if i % 32 else rnd.choice([1, 2, 3])
+        model.observe(n, 0, (0.35e-3 + 0.1e-3 * n) * rnd.uniform(0.95, 1.05))
+    a, b, c = model.costs()
+    assert a + 4 * b == pytest.approx(0.75e-3, rel=0.05)
+    assert c == pytest.approx(0.05e-3 * 0.75 / (prior_scale * 0.8), rel=0.1)

@@ -41,16 +41,25 @@ class Speculation:
                                   per_draft=self.step_costs.per_draft)
 
     def _note_unfollowed(self, decodes, passes) -> None:
-        """A step that a checkpoint drafter does not capture (no decoder follows, proposes or drafts and no
-        whole pass follows: ``Executor._captures``) leaves each decoder's position out of its rings
-        (``Request.unfollowed_at``, which ``DraftPolicy.catches_up`` reads)."""
-        if self.drafting is None or self.drafting.source != "model" or not decodes:
+        """Positions a checkpoint drafter does not capture this step go out of its rings
+        (``Request.unfollowed_at``, which ``DraftPolicy.catches_up`` reads): every decoder's when the merged
+        forward runs plain (no decoder follows, proposes or drafts and no whole pass follows:
+        ``Executor._captures``), and a prompt chunk's when its pass runs plain (no member follows: the
+        drafter's window then lacks the prompt's end, and a request whose answer ends before the window
+        fills again was followed and probed for nothing)."""
+        if self.drafting is None or self.drafting.source != "model":
             return
         whole = [p for p in passes if p.layer_start == 0 and p.layer_stop == self.limits.num_layers]
-        if drafter_captures(decodes, whole):
-            return
-        for d in decodes:
-            self.requests[d.request_id].unfollowed_at = d.position
+        merged = drafter_captures(decodes, whole)
+        if not merged:
+            for d in decodes:
+                self.requests[d.request_id].unfollowed_at = d.position
+        for p in passes:
+            if p.layer_start or (merged if p.layer_stop == self.limits.num_layers else any(m.follow for m in p.members)):
+                continue
+            for m in p.members:
+                req = self.requests[m.request_id]
+                req.unfollowed_at = max(req.unfollowed_at, m.start + len(m.ids) - 1)
 
     def _prefill_demand(self, lane: int | None) -> int:
         """Prompt tokens ``lane`` could prefill this step: the passes in flight, and each prefilling request's

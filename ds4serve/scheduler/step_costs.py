@@ -197,6 +197,8 @@ class StepCosts:
         apart = self._fit_apart(steps)
         if apart is not None:
             return apart[:3], apart[3]
+        if len(self.prior) == 3 and not any(s[1] for s in steps):
+            return self._undrafted(steps), 0.0
         sums = list(self._sums if sums is None else sums)
         if len(self.prior) == 3:
             a, b, c = self.prior
@@ -211,6 +213,20 @@ class StepCosts:
         s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
         fitted = _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt])
         return tuple(max(0.0, v) for v in fitted), 0.0
+
+    def _undrafted(self, steps: Sequence[tuple[int, int, float, int]]) -> tuple[float, float, float]:
+        """``(a, b, c)`` of a window without drafting steps: ``a + b n`` from its plain steps (``_plain_line``;
+        too few of them: the calibrated line scaled to their median), and ``c``, which no step measured, the
+        calibrated row cost scaled alike (a machine slower than at start-up is slower at every row). The
+        joint fit gave ``c`` whatever the prior's drafting corners said beyond the line the plain steps
+        drew: at 4 streams of the bundled model, calibrated a tenth above its plain steps, 0.05 -> 0.2 ms a
+        row from plain steps alone, and drafting was priced out by a cost no draft had shown."""
+        pa, pb, pc = self.prior
+        ratios = sorted(t / (pa + pb * n) for n, _, t, _ in steps if pa + pb * n > 0)
+        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        line = self._plain_line([(s[0], s[2]) for s in steps], max((s[0] for s in steps), default=1))
+        a, b = line if line is not None else (scale * pa, scale * pb)
+        return max(0.0, a), max(0.0, b), scale * pc
 
     def _fit_apart(self, steps: Sequence[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
         """``(a, b, c, e)``. The joint fit charges a draft row too little when drafting steps cost more than
