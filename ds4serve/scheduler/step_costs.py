@@ -35,6 +35,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 
+import numpy as np
+
 WINDOW = 256  # decode-only steps the fit remembers
 REFIT_EVERY = 32  # steps between fits (a fit walks the window: ~0.1-0.3 ms, ~10-20 us a step at 16)
 BLOCK_DECAY = 0.9  # weight of the past in the running cost of drafting one block
@@ -49,24 +51,24 @@ BASELINE_EVERY = 16  # a step in this many runs without drafts while the window 
 BASELINE_MIN = 8  # plain steps of a width the window should hold for the fit to know that width's cost
 
 
-def _moments(n: float, d: float, t: float, w: float) -> tuple[float, ...]:
-    """One step's share of the normal equations: the 6 distinct entries of ``w x x^T`` and the 3 of
-    ``w x t``, for ``x = (1, n, d)``."""
-    return (w, w * n, w * d, w * n * n, w * n * d, w * d * d, w * t, w * n * t, w * d * t)
+_N, _D, _T, _K = range(4)  # the columns of a window row: decoders, draft rows, seconds, decoders carrying a draft
 
 
 class StepCosts:
     """The ``(a, b, c)`` that ``drafting.worth`` reads: fitted from observed steps once there are
-    ``REFIT_EVERY`` of them, the calibrated prior until then. The normal equations' sums are kept as the
-    window slides (a step in, the oldest out), so observing and fitting are a few dozen flops."""
+    ``REFIT_EVERY`` of them, the calibrated prior until then. The window is a numpy ring of
+    ``(n, D, seconds, k)`` rows, so observing a step is a row write and a fit a few dozen array operations
+    (a fit in Python loops walked the window twice: ~0.2 ms, 7 us a step; with the running sums an
+    observation kept, ~11 us a step in all, a percent of a 16-stream step of the bundled model)."""
 
     def __init__(self, prior: Sequence[float] = ()):
         self.prior = tuple(prior)
         self.block_cost = 0.0  # seconds a checkpoint drafter takes to draft one block (a running average)
-        self._steps: deque[tuple[int, int, float, int]] = deque()  # (n, D, seconds, k), see ``observe``
+        self._ring = np.zeros((WINDOW, 4))  # (n, D, seconds, k) of the last WINDOW decode-only steps
+        self._kinds: deque[tuple[int, bool]] = deque()  # (n, drafted) of the same steps, oldest first
+        self._at = 0  # the ring row the next step is written to
         self._plain: Counter[int] = Counter()  # plain steps in the window, by width
         self._drafted: Counter[int] = Counter()  # drafting steps in the window, by width
-        self._sums = [0.0] * 9
         self._since_fit = 0
         self._fitted: tuple[float, ...] = self.prior
         self._per_draft = 0.0  # ``e``: seconds a drafting step spends per decoder carrying a draft (``_fit_apart``)
@@ -80,17 +82,21 @@ class StepCosts:
         if decoders <= 0 or not seconds > 0 or seconds == float("inf"):
             return
         k = (1 if draft_rows else 0) if drafting is None else drafting
-        self._steps.append((decoders, draft_rows, seconds, k))
-        self._add(_moments(decoders, draft_rows, seconds, 1.0), 1)
-        (self._plain if draft_rows == 0 else self._drafted)[decoders] += 1
-        if len(self._steps) > WINDOW:
-            old = self._steps.popleft()
-            self._add(_moments(*old[:3], 1.0), -1)
-            (self._plain if old[1] == 0 else self._drafted)[old[0]] -= 1
+        self._ring[self._at] = (decoders, draft_rows, seconds, k)
+        self._at = (self._at + 1) % WINDOW
+        self._kinds.append((decoders, draft_rows > 0))
+        (self._drafted if draft_rows else self._plain)[decoders] += 1
+        if len(self._kinds) > WINDOW:
+            n, drafted = self._kinds.popleft()
+            (self._drafted if drafted else self._plain)[n] -= 1
         self._since_fit += 1
         if self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
             self._fitted, self._per_draft = self._without_spikes(*self._fit())
+
+    def window(self) -> np.ndarray:
+        """The remembered steps, ``[m, 4]`` rows of ``(n, D, seconds, k)`` (in no particular order)."""
+        return self._ring[:len(self._kinds)]
 
     @property
     def per_draft(self) -> float:
@@ -141,18 +147,11 @@ class StepCosts:
         if len(fitted) != 3:
             return fitted, per_draft
         a, b, c = fitted
-        kept = [s for s in self._steps if s[2] <= SPIKE * (a + b * s[0] + c * s[1] + per_draft * s[3])]
-        if len(kept) == len(self._steps) or 2 * len(kept) < len(self._steps):
+        w = self.window()
+        kept = w[w[:, _T] <= SPIKE * (a + b * w[:, _N] + c * w[:, _D] + per_draft * w[:, _K])]
+        if len(kept) == len(w) or 2 * len(kept) < len(w):
             return fitted, per_draft  # none, or so many that they are the machine's pace now, not stalls
-        sums = [0.0] * 9
-        for step in kept:
-            for i, m in enumerate(_moments(*step[:3], 1.0)):
-                sums[i] += m
-        return self._fit(kept, sums)
-
-    def _add(self, moments: tuple[float, ...], sign: int) -> None:
-        for i, m in enumerate(moments):
-            self._sums[i] += sign * m
+        return self._fit(kept)
 
     def planned(self) -> float:
         """A step is being planned: now, after folding in the gap since the last step was applied."""
@@ -181,40 +180,44 @@ class StepCosts:
             return (self._fitted[0] + self.gap, *self._fitted[1:])
         return self._fitted
 
-    def fit(self, steps: Sequence[tuple[int, int, float, int]] | None = None,
-            sums: Sequence[float] | None = None) -> tuple[float, ...]:
-        """``(a, b, c)`` of ``_fit`` (``per_draft`` aside)."""
-        return self._fit(steps, sums)[0]
+    def fit(self, steps: Sequence[tuple[int, int, float, int]] | None = None) -> tuple[float, ...]:
+        """``(a, b, c)`` of ``_fit`` (``per_draft`` aside) over ``steps`` (``(n, D, seconds, k)`` each), the
+        window's by default."""
+        return self._fit(None if steps is None else np.asarray(steps, dtype=np.float64).reshape(-1, 4))[0]
 
-    def _fit(self, steps: Sequence[tuple[int, int, float, int]] | None = None,
-             sums: Sequence[float] | None = None) -> tuple[tuple[float, ...], float]:
+    def _fit(self, w: np.ndarray | None = None) -> tuple[tuple[float, ...], float]:
         """``(a, b)`` from the plain steps and ``c`` from what the drafting steps cost beyond them
         (``_fit_apart``) once plain steps of two widths are remembered; else weighted least squares of
         ``seconds`` on ``(1, n, D)`` over the steps and the prior's corner pseudo-steps. Each cost clamped
         at 0 (a negative one is noise). Without a prior, the steps alone, once both ``n`` and ``D`` have
-        varied (else the system has no unique answer). ``steps`` and their ``sums``: the window's by default."""
-        steps = self._steps if steps is None else steps
-        apart = self._fit_apart(steps)
+        varied (else the system has no unique answer). ``w``: rows of ``(n, D, seconds, k)``, the window's
+        by default."""
+        w = self.window() if w is None else w
+        apart = self._fit_apart(w)
         if apart is not None:
             return apart[:3], apart[3]
-        if len(self.prior) == 3 and not any(s[1] for s in steps):
-            return self._undrafted(steps), 0.0
-        sums = list(self._sums if sums is None else sums)
+        drafted = w[:, _D] > 0
+        if len(self.prior) == 3 and not drafted.any():
+            return self._undrafted(w), 0.0
+        n, d, t = w[:, _N], w[:, _D], w[:, _T]
+        weights = np.ones(len(w))
         if len(self.prior) == 3:
             a, b, c = self.prior
-            top_n = max(max((s[0] for s in steps), default=1), 2)
-            top_d = max((s[1] for s in steps), default=1) or 1
-            for n in (1, top_n):
-                for d in (0, top_d):
-                    for i, m in enumerate(_moments(n, d, a + b * n + c * d, self._prior_weight(n, d))):
-                        sums[i] += m
-        elif len({s[0] for s in steps}) < 2 or len({s[1] for s in steps}) < 2:
+            top_n = max(float(n.max()) if len(w) else 1.0, 2.0)
+            top_d = (float(d.max()) if len(w) else 1.0) or 1.0
+            corners = [(cn, cd) for cn in (1.0, top_n) for cd in (0.0, top_d)]
+            n = np.concatenate([n, [cn for cn, _ in corners]])
+            d = np.concatenate([d, [cd for _, cd in corners]])
+            t = np.concatenate([t, [a + b * cn + c * cd for cn, cd in corners]])
+            weights = np.concatenate([weights, [self._prior_weight(int(cn), int(cd)) for cn, cd in corners]])
+        elif len(np.unique(n)) < 2 or len(np.unique(d)) < 2:
             return self.prior, 0.0
-        s0, sn, sd, snn, snd, sdd, st, snt, sdt = sums
-        fitted = _solve3([[s0, sn, sd], [sn, snn, snd], [sd, snd, sdd]], [st, snt, sdt])
-        return tuple(max(0.0, v) for v in fitted), 0.0
+        x = np.stack([np.ones_like(n), n, d], axis=1)
+        m, v = x.T @ (weights[:, None] * x), x.T @ (weights * t)
+        fitted = _solve3(m.tolist(), v.tolist())
+        return tuple(max(0.0, float(f)) for f in fitted), 0.0
 
-    def _undrafted(self, steps: Sequence[tuple[int, int, float, int]]) -> tuple[float, float, float]:
+    def _undrafted(self, w: np.ndarray) -> tuple[float, float, float]:
         """``(a, b, c)`` of a window without drafting steps: ``a + b n`` from its plain steps (``_plain_line``;
         too few of them: the calibrated line scaled to their median), and ``c``, which no step measured, the
         calibrated row cost scaled alike (a machine slower than at start-up is slower at every row). The
@@ -222,32 +225,36 @@ class StepCosts:
         drew: at 4 streams of the bundled model, calibrated a tenth above its plain steps, 0.05 -> 0.2 ms a
         row from plain steps alone, and drafting was priced out by a cost no draft had shown."""
         pa, pb, pc = self.prior
-        ratios = sorted(t / (pa + pb * n) for n, _, t, _ in steps if pa + pb * n > 0)
-        scale = ratios[len(ratios) // 2] if ratios else 1.0
-        line = self._plain_line([(s[0], s[2]) for s in steps], max((s[0] for s in steps), default=1))
-        a, b = line if line is not None else (scale * pa, scale * pb)
+        line = pa + pb * w[:, _N]
+        ok = line > 0
+        scale = float(np.sort(w[ok, _T] / line[ok])[int(ok.sum()) // 2]) if ok.any() else 1.0
+        fitted = self._plain_line(w[:, _N], w[:, _T], float(w[:, _N].max()) if len(w) else 1.0)
+        a, b = fitted if fitted is not None else (scale * pa, scale * pb)
         return max(0.0, a), max(0.0, b), scale * pc
 
-    def _fit_apart(self, steps: Sequence[tuple[int, int, float, int]]) -> tuple[float, float, float, float] | None:
+    def _fit_apart(self, w: np.ndarray) -> tuple[float, float, float, float] | None:
         """``(a, b, c, e)``. The joint fit charges a draft row too little when drafting steps cost more than
         their rows and ``D`` grows with ``n`` (the two are then nearly the same column): on the bundled
         model, 0.12 ms a draft row where the steps said 0.30. So: ``a + b n`` by least squares over the
         plain steps (and the prior's plain corners), then the drafting steps' excess over it by least
         squares through the origin on ``(D, k)`` (``_excess_fit``). None until ``APART_MIN_PLAIN`` plain
         steps of two widths or more are remembered."""
-        plain = [(s[0], s[2]) for s in steps if s[1] == 0]
-        drafted = [(s[0], s[1], s[2], s[3]) for s in steps if s[1] > 0]
-        if not drafted:
+        drafted = w[:, _D] > 0
+        if not drafted.any():
             return None
-        line = self._plain_line(plain, max(s[0] for s in steps))
+        plain = w[~drafted]
+        line = self._plain_line(plain[:, _N], plain[:, _T], float(w[:, _N].max()))
         if line is None:
             return None
         a, b = line
-        rows = [(float(d), float(k), t - a - b * n, 1.0) for n, d, t, k in drafted]
+        dr = w[drafted]
+        d, k, x = dr[:, _D], dr[:, _K], dr[:, _T] - a - b * dr[:, _N]
+        weights = np.ones(len(dr))
         if len(self.prior) == 3:  # the prior's corner: its row cost, no cost per draft
-            top_d = max(d for _, d, _, _ in drafted)
-            rows.append((float(top_d), 1.0, self.prior[2] * top_d, self._prior_weight(None, top_d)))
-        c, e = _excess_fit(rows)
+            top_d = float(d.max())
+            d, k = np.append(d, top_d), np.append(k, 1.0)
+            x, weights = np.append(x, self.prior[2] * top_d), np.append(weights, self._prior_weight(None, int(top_d)))
+        c, e = _excess_fit(d, k, x, weights)
         return max(0.0, a), max(0.0, b), c, e
 
     def _prior_weight(self, n: int | None, d: int) -> float:
@@ -260,47 +267,48 @@ class StepCosts:
         seen = sum(counts.values()) if n is None else counts[n]
         return PRIOR_WEIGHT * max(0.0, 1.0 - seen / BASELINE_MIN)
 
-    def _plain_line(self, plain: Sequence[tuple[int, float]], top_n: int) -> tuple[float, float] | None:
-        """``(a, b)`` of the plain steps' ``a + b n``: least squares once ``APART_MIN_PLAIN`` of them span
-        two widths or more (the prior's plain corners pulling a little). Plain steps of one width say
-        nothing of ``b``: then the calibrated line scaled to their median, from ``APART_MIN_PLAIN // 3`` of
-        them. One stream that drafts most steps has a few plain steps at n = 1 only, and the joint fit
-        charged the drafting steps' own overhead to ``a`` (1.05 ms where a plain step took 0.75): at the
-        next width, 4 streams, a token looked worth a third more than it was, and drafting ran at 0.9x
-        until the window learnt the width. None without enough plain steps (or a prior for one width)."""
-        widths = {n for n, _ in plain}
-        if len(widths) == 1 and len(self.prior) == 3 and len(plain) >= APART_MIN_PLAIN // 3:
-            pa, pb, _ = self.prior
-            (n0,) = widths
-            times = sorted(t for _, t in plain)
-            scale = times[len(times) // 2] / (pa + pb * n0) if pa + pb * n0 > 0 else 1.0
-            return scale * pa, scale * pb
-        if len(plain) < APART_MIN_PLAIN or len(widths) < 2:
+    def _plain_line(self, n: np.ndarray, t: np.ndarray, top_n: float) -> tuple[float, float] | None:
+        """``(a, b)`` of the plain steps' ``a + b n`` (widths ``n``, seconds ``t``): least squares once
+        ``APART_MIN_PLAIN`` of them span two widths or more (the prior's plain corners pulling a little).
+        Plain steps of one width say nothing of ``b``: then the calibrated line scaled to their median, from
+        ``APART_MIN_PLAIN // 3`` of them. One stream that drafts most steps has a few plain steps at n = 1
+        only, and the joint fit charged the drafting steps' own overhead to ``a`` (1.05 ms where a plain
+        step took 0.75): at the next width, 4 streams, a token looked worth a third more than it was, and
+        drafting ran at 0.9x until the window learnt the width. None without enough plain steps (or a
+        prior for one width)."""
+        if not len(n):
             return None
-        rows = [(float(n), t, 1.0) for n, t in plain]
+        lo, hi = float(n.min()), float(n.max())
+        if lo == hi and len(self.prior) == 3 and len(n) >= APART_MIN_PLAIN // 3:
+            pa, pb, _ = self.prior
+            times = np.sort(t)
+            scale = float(times[len(times) // 2]) / (pa + pb * lo) if pa + pb * lo > 0 else 1.0
+            return scale * pa, scale * pb
+        if len(n) < APART_MIN_PLAIN or lo == hi:
+            return None
+        weights = np.ones(len(n))
         if len(self.prior) == 3:
             pa, pb, _ = self.prior
-            rows += [(float(n), pa + pb * n, self._prior_weight(n, 0)) for n in (1, top_n)]
-        w = sum(r[2] for r in rows)
-        mn, mt = sum(r[2] * r[0] for r in rows) / w, sum(r[2] * r[1] for r in rows) / w
-        var = sum(r[2] * (r[0] - mn) ** 2 for r in rows)
-        b = sum(r[2] * (r[0] - mn) * (r[1] - mt) for r in rows) / var if var > 0 else 0.0
+            n = np.append(n, [1.0, top_n])
+            t = np.append(t, [pa + pb, pa + pb * top_n])
+            weights = np.append(weights, [self._prior_weight(1, 0), self._prior_weight(int(top_n), 0)])
+        total = weights.sum()
+        mn, mt = float(weights @ n) / total, float(weights @ t) / total
+        var = float(weights @ (n - mn) ** 2)
+        b = float(weights @ ((n - mn) * (t - mt))) / var if var > 0 else 0.0
         return mt - b * mn, b
 
 
 COLLINEAR = 0.01  # drafting steps whose D / k varies less than this (relative) cannot tell c from e
 
 
-def _excess_fit(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, float]:
-    """``(c, e)`` of ``x = c D + e k`` by weighted least squares through the origin over ``rows`` of
-    ``(D, k, x, weight)``, each clamped at 0 (the other refitted alone then). Where ``D / k`` barely varies
-    (every draft the same length) the two cannot be told apart: ``c`` alone, as a cost per row, is then
-    exact for those steps."""
-    sdd = sum(w * d * d for d, _, _, w in rows)
-    sdk = sum(w * d * k for d, k, _, w in rows)
-    skk = sum(w * k * k for _, k, _, w in rows)
-    sdx = sum(w * d * x for d, _, x, w in rows)
-    skx = sum(w * k * x for _, k, x, w in rows)
+def _excess_fit(d: np.ndarray, k: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """``(c, e)`` of ``x = c D + e k`` by weighted least squares through the origin over the steps' ``D``,
+    ``k``, excess ``x`` and weight ``w``, each clamped at 0 (the other refitted alone then). Where ``D / k``
+    barely varies (every draft the same length) the two cannot be told apart: ``c`` alone, as a cost per
+    row, is then exact for those steps."""
+    sdd, sdk, skk = float(w @ (d * d)), float(w @ (d * k)), float(w @ (k * k))
+    sdx, skx = float(w @ (d * x)), float(w @ (k * x))
     if sdd <= 0.0:
         return 0.0, 0.0
     det = sdd * skk - sdk * sdk
