@@ -110,7 +110,7 @@ class DraftPolicy:
         for req in sorted(decoders, key=lambda r: (-r.draft_rate, r.arrival)):
             if budget <= 0:
                 break
-            forced = self._forced(req, min(self._length(req, limits.max_model_len, self.k), budget))
+            forced = self._forced(req, budget, limits.max_model_len)
             probe = not req.draft_rate > bar
             if probe and not forced:  # its rate does not pay: one token every PROBE_EVERY steps
                 req.draft_skipped += 1
@@ -119,6 +119,11 @@ class DraftPolicy:
             n = min(1 if probe else self._length(req, limits.max_model_len, bar=bar), budget)
             if self.source == "model" and req.proposal_survival and not forced:  # a probe's block too
                 surviving.append(req)
+                continue
+            if not probe and not forced and not any(
+                    self._whole_pays(req.draft_rate, rows, len(decoders), costs, draft_cost, per_draft)
+                    for rows in range(1, n + 1)):
+                req.draft_skipped += 1  # no draft it could find would pay: the lookup is not worth its time
                 continue
             draft = self._candidate(req, n) if n > 0 else ()
             if draft and not probe and not self._whole_pays(req.draft_rate, len(draft), len(decoders), costs,
@@ -269,14 +274,16 @@ class DraftPolicy:
             return False
         return self.pays(req, n, costs, draft_cost, max_model_len, per_draft) or (step + 1) % PROBE_EVERY == 0
 
-    def _forced(self, req: Request, n: int) -> tuple[int, ...]:
-        """Up to ``n`` tokens ``req``'s grammar forces next (a schema's keys and punctuation; ``forced_tokens``):
-        a draft whatever the request's rate, as a row the grammar leaves one choice is accepted whenever the
-        model writes the grammar's own tokenization, so it pays wherever any row does (the step's bar below
-        the limit, checked before). Nothing without a grammar, or where ``forced`` is off."""
-        if not self.forced or req.sampler.constraint is None or n <= 0:
+    def _forced(self, req: Request, budget: int, max_model_len: int) -> tuple[int, ...]:
+        """The tokens ``req``'s grammar forces next (a schema's keys and punctuation; ``forced_tokens``), as
+        many as its draft may hold (``_length`` of ``k``, within ``budget``): a draft whatever the request's
+        rate, as a row the grammar leaves one choice is accepted whenever the model writes the grammar's own
+        tokenization, so it pays wherever any row does (the step's bar below the limit, checked before).
+        Nothing without a grammar, or where ``forced`` is off."""
+        if not self.forced or req.sampler.constraint is None:
             return ()
-        return forced_tokens(req.sampler, n)
+        n = min(self._length(req, max_model_len, self.k), budget)
+        return forced_tokens(req.sampler, n) if n > 0 else ()
 
     def _candidate(self, req: Request, n: int) -> tuple[int, ...]:
         """Up to ``n`` tokens from the drafter (the model's block, or prompt lookup), cut before an image
