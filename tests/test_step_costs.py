@@ -360,3 +360,15 @@ def test_a_window_without_drafting_steps_keeps_the_calibrated_row_cost(prior_sca
     a, b, c = model.costs()
     assert a + 4 * b == pytest.approx(0.75e-3, rel=0.05)
     assert c == pytest.approx(0.05e-3 * 0.75 / (prior_scale * 0.8), rel=0.1)
+
+
+def test_the_fitted_costs_are_plain_floats():
+    """The fit runs on numpy arrays; what it hands the policy is Python floats (a numpy scalar leaking out
+    of the plain line's weighted mean turned every bar into numpy arithmetic)."""
+    model = StepCosts((0.4e-3, 0.1e-3, 0.05e-3))
+    rnd = random.Random(3)
+    for i in range(WINDOW):
+        n = rnd.randint(1, 8)
+        d = rnd.randint(1, 12) if i % 3 else 0
+        model.observe(n, d, 0.4e-3 + 0.1e-3 * n + 0.06e-3 * d + (0.1e-3 if d else 0.0), min(n, 1 + d // 4) if d else 0)
+    assert all(type(x) is float for x in (*model.costs(), model.per_draft)), (model.costs(), model.per_draft)

@@ -292,7 +292,7 @@ class StepCosts:
             n = np.append(n, [1.0, top_n])
             t = np.append(t, [pa + pb, pa + pb * top_n])
             weights = np.append(weights, [self._prior_weight(1, 0), self._prior_weight(int(top_n), 0)])
-        total = weights.sum()
+        total = float(weights.sum())
         mn, mt = float(weights @ n) / total, float(weights @ t) / total
         var = float(weights @ (n - mn) ** 2)
         b = float(weights @ ((n - mn) * (t - mt))) / var if var > 0 else 0.0
