@@ -64,6 +64,41 @@ def test_native_view_equals_build_view(case):
         _same(got.visible[r].valid, vr.valid, f"visible {r} valid")
 
 
+def _views_equal(got, ref) -> None:
+    assert got.rings_after_write == ref.rings_after_write
+    for f in ("ids", "positions", "swa_keys", "swa_valid", "swa_dst", "swa_src"):
+        _same(getattr(got, f), getattr(ref, f), f)
+    assert got.compress.keys() == ref.compress.keys() and got.visible.keys() == ref.visible.keys()
+    for k, ci in ref.compress.items():
+        for f in ("emit_slots", "emit_valid", "emit_pos", "emit_rows", "ring_dst", "ring_src"):
+            _same(getattr(got.compress[k], f), getattr(ci, f), f"{k} {f}")
+    for r, vr in ref.visible.items():
+        _same(got.visible[r].rows, vr.rows, f"visible {r} rows")
+        _same(got.visible[r].valid, vr.valid, f"visible {r} valid")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_reused_view_equals_a_fresh_one_step_after_step(name):
+    """Decode steps of 3 sequences, one token on each step (and a draft of 2 now and then): the buffers are
+    refilled while the view's shape holds (the same object back) and replaced when it changes, and every
+    view equals one built from nothing (the torch form)."""
+    layout = StateLayout.build(ModelConfig.from_dict(CONFIGS[name]), torch.float32)
+    reuse = native_view.ViewReuse()
+    starts = {0: 8, 3: 64, 6: 128}  # in step modulo the compress ratios, as a batch that started together
+    pages = {slot: list(range(8 * i, 8 * i + 8)) for i, slot in enumerate(starts)}
+    seen: list[object] = []
+    for step in range(40):
+        draft = 2 if step % 9 == 4 else 0
+        chunks = [SeqChunk(slot, pos + step, [2 + (pos + step) % 200] + [7] * (draft if slot == 3 else 0),
+                           pages[slot]) for slot, pos in starts.items()]
+        ref = build_view(layout, N_SLOTS, chunks, torch.device("cpu"), tiles=True)
+        got = build_view(layout, N_SLOTS, chunks, torch.device("cpu"), tiles=False, reuse=reuse)
+        _views_equal(got, ref)
+        seen.append(got)
+    assert reuse.reused >= 15  # many steps keep the shape
+    assert len({id(v) for v in seen}) > 3  # a draft, a window filling, a compressor's rows growing: new shapes
+
+
 def test_build_view_takes_the_native_form_only_for_plain_text(random_ckpt):
     """Without tiles, a plain text forward gets the native view; image blocks and snapshots inside a
     chunk keep the torch form (their rules live in build_view only)."""
@@ -82,3 +117,18 @@ def test_build_view_takes_the_native_form_only_for_plain_text(random_ckpt):
     before = [SeqChunk(0, 20, list(range(2, 10)), [0], spans=(span,))]  # a block earlier in the sequence
     assert native_view.plain_text(before, torch.device("cpu"))
     assert not native_view.plain_text(plain, torch.device("meta"))
+
+
+def test_the_engine_answers_the_same_with_its_views_refilled_in_place():
+    """The bundled model, three streams of 40 tokens with logprobs: refilling the merged forward's view in
+    place (and keeping the native forward's descriptor of it) changes no token and no logprob bit."""
+    from ds4serve.bench.spec_bench import TINY, prompts
+    from ds4serve.llm import LLM
+
+    fresh, reused = LLM(TINY, max_seqs=3), LLM(TINY, max_seqs=3)
+    fresh.core.executor._merged_view = None
+    asks = prompts(3, fresh.core.cfg.vocab_size, length=80)  # past the sliding window: its width holds
+    got = [llm.generate_with_logprobs(asks, max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+           for llm in (fresh, reused)]
+    assert reused.core.executor._merged_view.reused > 10
+    assert got[0] == got[1] and all(len(lps) == 40 for _, lps in got[0])

@@ -31,7 +31,7 @@ import torch
 from ..model.batch import BatchView, CompressIndex, QueryTile, RingCapture, VisibleRows
 from ..multimodal.records import ImageRows, ImageSpan
 from .layout import StateLayout
-from .native_view import plain_text, text_view
+from .native_view import ViewReuse, plain_text, text_view
 
 # Prefill chunks of at least TILE_MIN tokens attend to shared key blocks in query tiles of at most
 # TILE tokens (memory O(TILE x (window + TILE)) per tile); shorter chunks and decode rows gather a
@@ -75,13 +75,15 @@ def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_view(layout: StateLayout, n_slots: int, chunks: Sequence[SeqChunk], device: torch.device,
-               max_image_tokens: int = 384, tiles: bool = True) -> BatchView:
+               max_image_tokens: int = 384, tiles: bool = True, reuse: ViewReuse | None = None) -> BatchView:
     """The view of one forward over ``chunks``. ``tiles`` False: no query tiles (a consumer that reads the
-    per-query key lists, like the native host forward, needs none; the torch path then gathers)."""
+    per-query key lists, like the native host forward, needs none; the torch path then gathers).
+    ``reuse``: buffers a plain text view may be refilled in (``native_view.ViewReuse``: only for a view
+    the caller drops before asking for the next one)."""
     _check_chunks(layout, n_slots, chunks)
     if not tiles and plain_text(chunks, torch.device(device)):  # the same arrays, in one native call
         ids = torch.cat([torch.as_tensor(c.ids, dtype=_I64).reshape(-1) for c in chunks])
-        fast = text_view(layout, n_slots, chunks, ids)
+        fast = text_view(layout, n_slots, chunks, ids, reuse)
         if fast is not None:
             return fast
     g = _Geometry.of(layout, chunks)

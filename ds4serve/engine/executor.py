@@ -23,6 +23,7 @@ import torch
 from ..cache import SeqChunk, build_view
 from ..cache.draft_rows import DraftSpan, SavedRings
 from ..cache.manager import CacheManager
+from ..cache.native_view import ViewReuse
 from ..config import ModelConfig
 from ..environment import openmp_spin_advice
 from ..model import BatchView, DS4ForCausalLM
@@ -125,6 +126,7 @@ class Executor:
         self.host = self._host_forward(host_kernels, moe_activations, head_activations, fp8_activations)
         self.capture: CapturePlan | None = None  # what a model drafter reads from the forward (``capture.py``)
         self.drafts: ModelDrafts | None = None  # a checkpoint drafter (``use_drafter``); None: n-gram or none
+        self._merged_view = ViewReuse()  # the merged forward's view buffers, refilled while its shape holds
         # tensor parallel: how every rank learns the accepted drafts of a step, whose sampling is rank 0's
         # (``parallel_executor.Collectives.agree``: rank 0's counts, the workers' zeros, summed); None: one process
         self.agree: Callable[[list[int]], list[int]] | None = None
@@ -311,7 +313,7 @@ class Executor:
         if spans and not self.sample and self.agree is None:
             raise StepError("drafts need the sampling rank's verification; this engine does not sample")
         saved = SavedRings(self.cache.state, spans) if spans else None
-        view = self._view(chunks)
+        view = self._view(chunks, self._merged_view)  # dropped at the step's end: its buffers serve the next
         capturing = self._captures(decodes, whole)
         graphs = self.decode.enabled and not whole and not spans and view.is_image is None and not capturing
         streams = self.decode.run(view, len(chunks)) if graphs else None
@@ -340,9 +342,9 @@ class Executor:
         lack; ``ModelDrafts`` drafts again only once they are whole)."""
         return self.drafts is not None and drafter_captures(decodes, whole)
 
-    def _view(self, chunks):
+    def _view(self, chunks, reuse: ViewReuse | None = None):
         return build_view(self.cache.layout, self.cache.n_slots, chunks, self.device,
-                          max_image_tokens=self.cfg.vision.max_n_token, tiles=self.host is None)
+                          max_image_tokens=self.cfg.vision.max_n_token, tiles=self.host is None, reuse=reuse)
 
     def _member_chunk(self, m: PassMember) -> SeqChunk:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.image_rows,

@@ -112,6 +112,10 @@ class BatchView:
     # rings themselves, read after this forward's writes; else they index cat(ring, new rows)
     rings_after_write: bool = False
     captures: dict[int, RingCapture] | None = None  # prefix-cache snapshots inside this forward, by ring length
+    # refilled in place step after step (``cache/native_view.ViewReuse``): the same object with new contents,
+    # its arrays' addresses and sizes unchanged; a consumer may keep what it derived from them (the native
+    # forward's descriptor), and must not keep the view past the next one
+    in_place: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -32,11 +32,11 @@ from ..config import AttnKind, ModelConfig
 from ..environment import NativeBuild, cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from . import host_f8pairs, host_pairs, host_q8
+from .host_views import StepViews
 from .host_support import kn_store, kn_stored, packed_unsupported as _packed_unsupported, \
     stored_unsupported as _stored_unsupported
 from .batch import BatchView, LayerState
-from .host_abi import (MAX_CAPTURES, _Arena, _Capture, _CompView, _Dims, _Layer, _Model, _StepView, _VisView,
-                       _Weight, abi)
+from .host_abi import MAX_CAPTURES, _Arena, _Dims, _Layer, _Model, _StepView, _Weight, abi
 from .packed import PackedExperts
 from .stored import StoredWeight
 
@@ -196,6 +196,7 @@ class HostForward:
             final_norm=self._ptr(m.norm.weight), lm_head=self._head(model.lm_head.weight), n_layers=cfg.num_layers,
             layers=self._layers, d=self._dims(cfg))
         self._arena, self._head_arena = _Arena(), _Arena()
+        self._views = StepViews(cfg, self.comp_keys, self.ratios, self._layers, states)
 
     @classmethod
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
@@ -269,7 +270,7 @@ class HostForward:
             raise ValueError(f"captured layers {layers} must be distinct, ascending and inside [{start}, {stop})")
         T, hc, D = view.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size
         keep: list[torch.Tensor] = []
-        sv = self._step_view(view, keep)
+        sv = self._views.describe(view, keep)
         if start == 0:
             streams = torch.empty(T, hc, D)
         elif streams is None or streams.dtype != torch.float32 or not streams.is_contiguous() \
@@ -282,46 +283,6 @@ class HostForward:
                                            int(mean_hc), captured.data_ptr() if layers else None)
         _check(rc)
         return streams, captured
-
-    def _step_view(self, view: BatchView, keep: list[torch.Tensor]) -> _StepView:
-        sv = _StepView(T=view.num_tokens, Kw=view.swa_keys.shape[1], M=view.swa_dst.shape[0],
-                       after_write=int(view.rings_after_write), n_comp=len(self.comp_keys), n_vis=len(self.ratios))
-        for name in ("ids", "positions", "swa_keys", "swa_dst", "swa_src", "swa_valid"):
-            setattr(sv, name, _arg(getattr(view, name), keep))
-        if view.is_image is not None:
-            sv.is_image = _arg(view.is_image, keep)
-        if view.image_rows is not None and view.image_embeds is not None:
-            if tuple(view.image_embeds.shape) != (view.image_rows.shape[0], self.cfg.hidden_size):
-                raise ValueError(f"image rows of shape {tuple(view.image_embeds.shape)} for {view.image_rows.shape[0]} "
-                                 f"IMAGE slots of width {self.cfg.hidden_size}")
-            sv.n_image_rows = view.image_rows.shape[0]
-            sv.image_rows = _arg(view.image_rows, keep)
-            sv.image_embeds = _arg(view.image_embeds.to(torch.float32), keep)
-        for i, key in enumerate(self.comp_keys):
-            ci = view.compress[key]
-            sv.comp[i] = _CompView(ci.ratio, int(ci.overlap), ci.span, ci.emit_rows.shape[0], ci.ring_dst.shape[0],
-                                   *(_arg(getattr(ci, f), keep) for f in ("emit_slots", "emit_valid", "emit_pos",
-                                                                          "emit_rows", "ring_dst", "ring_src")))
-        for i, ratio in enumerate(self.ratios):
-            vr = view.visible[ratio]
-            sv.vis[i] = _VisView(vr.rows.shape[1], _arg(vr.rows, keep), _arg(vr.valid, keep))
-        self._captures(view, sv, keep)
-        return sv
-
-    def _captures(self, view: BatchView, sv: _StepView, keep: list[torch.Tensor]) -> None:
-        """Prefix-cache snapshots inside this forward: the capture index lists, and the arena rows of
-        every layer (read now: the prefix cache attaches its arena to the state after start-up)."""
-        caps = view.captures or {}
-        sv.n_cap = len(caps)
-        for i, (ring_len, cap) in enumerate(sorted(caps.items())):
-            sv.cap[i] = _Capture(ring_len, cap.old_dst.shape[0], cap.new_dst.shape[0],
-                                 *(_arg(getattr(cap, f), keep) for f in ("old_dst", "old_src", "new_dst", "new_src")))
-        for layer, st in zip(self._layers, self._states):
-            snap = st.snap if caps else None
-            for field, name in (("snap_swa", "swa"), ("snap_comp", "comp_ring"), ("snap_idx", "idx_ring")):
-                t = snap.get(name) if snap else None
-                setattr(layer, field, _arg(t, keep) if t is not None else None)
-                setattr(layer, f"{field}_rows", t.shape[0] if t is not None else 0)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """``DS4ForCausalLM.logits`` natively: fp32 logits ``[N, vocab]`` of streams ``[N, hc, D]``."""
@@ -480,13 +441,6 @@ class HostForward:
                      window=cfg.sliding_window,
                      rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, swiglu_limit=cfg.swiglu_limit,
                      routed_scale=cfg.routed_scaling_factor)
-
-
-def _arg(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
-    """A view tensor's data pointer (int64 or bool, host, contiguous), kept alive for the call."""
-    t = t.contiguous()
-    keep.append(t)
-    return t.data_ptr()
 
 
 def _check(rc: int) -> None:
