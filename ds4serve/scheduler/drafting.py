@@ -101,7 +101,10 @@ class DraftPolicy:
         bar = self._bar(len(decoders), costs, draft_cost, per_draft)  # the same for every request of the step
         if budget <= 0:
             return out
-        if bar >= self._limit():  # no acceptance rate can pay beside this many decoders: not even a probe
+        if bar >= self._limit() or not any(self._may_draft(r, bar, step) for r in decoders):
+            # no acceptance rate can pay beside this many decoders (not even a probe), or nobody could carry
+            # a draft this step: what the loop below would find, without asking what the waiting prompts
+            # need or ranking anybody
             for req in decoders:
                 req.draft_skipped += 1
             return out
@@ -137,6 +140,17 @@ class DraftPolicy:
         if surviving and budget > 0:
             out.update(self._by_survival(surviving, len(decoders), costs, limits.max_model_len, budget, per_draft))
         return out
+
+    def _may_draft(self, req: Request, bar: float, step: int) -> bool:
+        """A first look at whether ``req`` could carry a draft this step (``plan`` decides): a grammar's
+        forced tokens; else, for a checkpoint drafter, only with a block drafted for this very row
+        (``_proposal``: a request its drafter does not follow has none, whatever its rate), and a rate
+        that pays or a probe due."""
+        if self.forced and req.sampler.constraint is not None:
+            return True
+        if self.source == "model" and (req.proposal_at != req.computed or not req.proposal):
+            return False
+        return req.draft_rate > bar or not step % PROBE_EVERY
 
     def _by_survival(self, reqs: Sequence[Request], n: int, costs: Sequence[float], max_model_len: int,
                      budget: int, per_draft: float = 0.0) -> dict[str, tuple[int, ...]]:
