@@ -146,54 +146,12 @@ def test_the_engine_keeps_drafting_after_a_slow_prompt_read():
     assert llm.core.scheduler.step_costs.block_cost < 0.05  # the blocks' forward, not the 0.24 s read
 
 
-@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
-def test_a_request_is_followed_again_only_where_its_rings_can_catch_up(tokens, drafts_after):
-    """The bundled model with its DSpark drafter; for steps 4-9 the step costs say no draft could pay, so those
-    steps run without the drafter capturing (a gap in the request's rings, whole again 128 positions later).
-    A 64-token answer ends before that: it is not followed again (no capture, no block). A 320-token one
-    catches up and drafts again. Greedy output is plain decoding's either way."""
-    import json
-
-    from ds4serve.bench.spec_bench import TINY, prompts
-    from ds4serve.llm import LLM
-
-    llm = LLM(TINY, max_seqs=1, speculative=json.dumps({"method": "dspark"}))
-    plain = LLM(TINY, max_seqs=1)
-    sched = llm.core.scheduler
-
-    class Pinned(StepCosts):  # the costs the rule reads, fixed (a timed fit would make the test the host's)
-        draft_cost = 0.05e-3
-        per_draft = 0.1e-3
-
-        def costs(self):
-            return (1e-3, 0.0, 1.0) if 4 <= sched._schedules < 10 else (0.6e-3, 0.0, 0.05e-3)
-
-    sched.step_costs.__class__ = Pinned
-    drafted_after: list[int] = []
-    followed_after: list[bool] = []
-    apply = sched.apply
-
-    def counting(plan, result):
-        if sched._schedules >= 10:
-            followed_after.append(any(d.follow or d.propose for d in plan.decodes))
-            drafted_after.append(sum(len(d.draft) for d in plan.decodes))
-        return apply(plan, result)
-
-    sched.apply = counting
-    prompt = prompts(1, llm.core.cfg.vocab_size)
-    got = llm.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    assert got == plain.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    assert any(followed_after) is drafts_after and (sum(drafted_after) > 0) is drafts_after, (followed_after,
-                                                                                            drafted_after)
-
-
-@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
-def test_a_prompt_the_drafter_did_not_read_is_followed_only_where_its_rings_can_catch_up(tokens, drafts_after):
-    """The bundled model with its DSpark drafter; while its prompt prefills the step costs say no draft could
-    pay, so the prompt's pass runs without the drafter capturing (its window lacks the prompt's end, whole
-    again 128 positions later). A 64-token answer ends before that: no decode step follows it or asks for a
-    block (before, it was followed and probed to the end, every probe's block refused as not ready). A
-    320-token one catches up and drafts. Greedy output is plain decoding's either way."""
+def _pinned_run(tokens: int, priced_out, from_step: int = 0) -> tuple[list[bool], list[bool], list[int]]:
+    """The bundled model with its DSpark drafter, one greedy request of ``tokens`` tokens, the costs the rule
+    reads pinned (a timed fit would make the test the host's): no draft can pay on the steps where
+    ``priced_out(step)``, a cheap drafter pays elsewhere. Checks the output is plain decoding's and returns
+    the prompt members' follow flags, and from step ``from_step`` on whether each step followed (or asked
+    for a block) and how many draft rows it carried."""
     import json
 
     from ds4serve.bench.spec_bench import TINY, prompts
@@ -208,7 +166,7 @@ def test_a_prompt_the_drafter_did_not_read_is_followed_only_where_its_rings_can_
         per_draft = 0.1e-3
 
         def costs(self):
-            return (1e-3, 0.0, 1.0) if sched._schedules <= 1 else (0.6e-3, 0.0, 0.05e-3)
+            return (1e-3, 0.0, 1.0) if priced_out(sched._schedules) else (0.6e-3, 0.0, 0.05e-3)
 
     sched.step_costs.__class__ = Pinned
     prefilled: list[bool] = []
@@ -218,13 +176,33 @@ def test_a_prompt_the_drafter_did_not_read_is_followed_only_where_its_rings_can_
 
     def counting(plan, result):
         prefilled.extend(m.follow for p in plan.passes for m in p.members)
-        followed.append(any(d.follow or d.propose for d in plan.decodes))
-        drafted.append(sum(len(d.draft) for d in plan.decodes))
+        if sched._schedules >= from_step:
+            followed.append(any(d.follow or d.propose for d in plan.decodes))
+            drafted.append(sum(len(d.draft) for d in plan.decodes))
         return apply(plan, result)
 
     sched.apply = counting
     prompt = prompts(1, llm.core.cfg.vocab_size)
     got = llm.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
     assert got == plain.generate(prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return prefilled, followed, drafted
+
+
+@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
+def test_a_request_is_followed_again_only_where_its_rings_can_catch_up(tokens, drafts_after):
+    """For steps 4-9 the step costs say no draft could pay, so those steps run without the drafter capturing
+    (a gap in the request's rings, whole again 128 positions later). A 64-token answer ends before that: it
+    is not followed again (no capture, no block). A 320-token one catches up and drafts again."""
+    _, followed, drafted = _pinned_run(tokens, lambda step: 4 <= step < 10, from_step=10)
+    assert any(followed) is drafts_after and (sum(drafted) > 0) is drafts_after, (followed, drafted)
+
+
+@pytest.mark.parametrize("tokens, drafts_after", [(64, False), (320, True)])
+def test_a_prompt_the_drafter_did_not_read_is_followed_only_where_its_rings_can_catch_up(tokens, drafts_after):
+    """While the prompt prefills the step costs say no draft could pay, so the prompt's pass runs without the
+    drafter capturing (its window lacks the prompt's end, whole again 128 positions later). A 64-token answer
+    ends before that: no decode step follows it or asks for a block (before, it was followed and probed to
+    the end, every probe's block refused as not ready). A 320-token one catches up and drafts."""
+    prefilled, followed, drafted = _pinned_run(tokens, lambda step: step <= 1)
     assert prefilled and not any(prefilled)  # the prompt ran without the drafter
     assert any(followed) is drafts_after and (sum(drafted) > 0) is drafts_after, (followed, drafted)
