@@ -29,6 +29,7 @@ from ..multimodal.chunking import next_chunk
 from ..engine.plan import (DecodeRow, PassMember, PassSlice, RowStatus, StepPlan, StepResult,
                            StepStatus)
 from .drafting import DraftPolicy, count_draft
+from .draft_guard import DraftGuard
 from .step_costs import StepCosts
 from .admission import FitLimits, QueueFull, RequestTooLarge, SchedulerLimits, fit, image_bytes
 from .isolation import Quarantine
@@ -50,6 +51,7 @@ class Scheduler(MemoryPressure, Speculation):
         self.limits = limits
         self.drafting = drafting  # speculative decoding's drafter and limits; None: no drafts
         self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
+        self.draft_guard = DraftGuard()  # whether drafting steps really beat plain ones, per width
         self._planned_at = time.perf_counter()
         self._schedules = 0
         self.cache = cache
@@ -329,12 +331,7 @@ class Scheduler(MemoryPressure, Speculation):
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
         if self.drafting is not None:
-            self.step_costs.observe_blocks(result.draft_s - result.draft_prompt_s, result.proposals,
-                                           sum(len(d.draft) for d in plan.decodes), result.block_s)
-        if self.drafting is not None and plan.decodes and not plan.passes:
-            self.step_costs.observe(len(plan.decodes), sum(len(d.draft) for d in plan.decodes),
-                                    time.perf_counter() - self._planned_at - result.draft_s,
-                                    sum(1 for d in plan.decodes if d.draft))
+            self._observe_step(plan, result, time.perf_counter() - self._planned_at)
         self.step_costs.applied()
         return self.take_outputs()
 

@@ -24,21 +24,41 @@ from .request import Request, RequestStatus
 class Speculation:
     def _turns(self, reqs: list[Request], n: int) -> list[tuple[bool, bool]]:
         """``(propose, follow)`` of each of ``reqs`` beside ``n`` decoders (``DraftPolicy.turns``); no block
-        is drafted for a step that will run plain (``StepCosts.baseline``)."""
-        if self.drafting is None:
+        is drafted for a step that will run plain (``StepCosts.baseline``), none where drafting steps got
+        fewer tokens a second than plain ones (``DraftGuard``)."""
+        if self.drafting is None or not self.draft_guard.allows(n):
             return [(False, False)] * len(reqs)
         return self.drafting.turns(reqs, n, self.step_costs.costs(), self.step_costs.draft_cost, self._schedules,
-                                   plain_next=self.step_costs.baseline(n, self._schedules + 1),
-                                   per_draft=self.step_costs.per_draft)
+                                   plain_next=self._plain_step(n, self._schedules + 1), per_draft=self.step_costs.per_draft)
+
+    def _plain_step(self, n: int, step: int) -> bool:
+        """Whether step ``step`` of ``n`` decoders runs without drafts, to time a plain step of that width
+        (``StepCosts.baseline`` for its fit, ``DraftGuard.baseline`` for its comparison)."""
+        return self.step_costs.baseline(n, step) or self.draft_guard.baseline(n, step)
 
     def _drafts(self, decoders: list[Request], lane: int | None = None) -> dict[str, tuple[int, ...]]:
         """Speculative drafts for this step (``drafting.DraftPolicy``), none without a drafter, within the
         rows the prefill of ``lane`` leaves (the module docstring)."""
-        if self.drafting is None or not decoders or self.step_costs.baseline(len(decoders), self._schedules):
+        if self.drafting is None or not decoders or self._plain_step(len(decoders), self._schedules) \
+                or not self.draft_guard.allows(len(decoders)):
             return {}
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self._schedules, prefill=lambda: self._prefill_demand(lane),
                                   per_draft=self.step_costs.per_draft)
+
+    def _observe_step(self, plan, result, seconds: float) -> None:
+        """A step's figures for the cost rule and the guard: the drafter's own seconds and blocks
+        (``StepCosts.observe_blocks``); for a decode-only step its time without the drafter's
+        (``StepCosts.observe``), and with it, with the tokens it committed and whether it verified drafts
+        (``DraftGuard``)."""
+        drafts = sum(len(d.draft) for d in plan.decodes)
+        self.step_costs.observe_blocks(result.draft_s - result.draft_prompt_s, result.proposals, drafts, result.block_s)
+        if not plan.decodes or plan.passes:
+            return
+        self.step_costs.observe(len(plan.decodes), drafts, seconds - result.draft_s,
+                                sum(1 for d in plan.decodes if d.draft))
+        self.draft_guard.observe(len(plan.decodes), drafts > 0,
+                                 len(plan.decodes) + sum(len(t.accepted) for t in result.tokens), seconds, result.draft_s)
 
     def _note_unfollowed(self, decodes, passes) -> None:
         """Positions a checkpoint drafter does not capture this step go out of its rings
