@@ -6,9 +6,8 @@ drafting loses. On the bundled model at 4 streams its DSpark drafter's blocks co
 the ~0.05-0.08 ms a verified row the rule charged them (the drafter's cost per row was learnt at one stream,
 where a block is verified whole), and the drafting steps there ran at 3.9 tokens a ms against the plain
 steps' 4.4 (a 0.79x round). This guard does not model anything: per width it keeps the decayed tokens and
-seconds of the steps where the drafter worked (a draft verified, a block drafted, rows followed) and of the
-steps where it did not, and once both are known it turns drafting off at a width whose drafting steps get
-fewer tokens a second than its plain ones. A step drafts when it verifies a draft; the drafter's own
+seconds of the steps that verified drafts and of the plain ones, and once both are known it turns drafting
+off at a width whose drafting steps get fewer tokens a second than its plain ones. The drafter's own
 seconds (its blocks, drafted in the step before the one that verifies them, and the rows it commits)
 count for drafting wherever they are spent. A width turned off is tried again ``RETRY`` steps later (its
 drafting record forgotten): the text or the load may have changed.
