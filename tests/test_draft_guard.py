@@ -103,3 +103,27 @@ def test_the_engine_stops_drafting_where_its_drafter_makes_steps_slower(slow):
     late = drafted[2 * len(drafted) // 3:]  # the guard needs a few plain steps to compare with first
     assert (sum(late) == 0) is slow, drafted
     assert not sched.draft_guard.allows(1) is slow
+
+
+def test_a_drafter_that_follows_without_drafting_is_turned_off():
+    """Once the drafter drafts blocks, a width where it goes on following step after step with no draft ever
+    verified pays for the following and gets nothing: turned off after IDLE_STEPS such steps. A draft verified
+    now and then keeps it on, and following while no block is drafted (the drafter's window filling again
+    after a gap) does not count."""
+    from ds4serve.scheduler.draft_guard import IDLE_STEPS
+
+    guard = DraftGuard()
+    for _ in range(3 * IDLE_STEPS):  # catching up: following, no block drafted
+        guard.observe(4, False, 4, 1e-3, followed=True)
+    assert guard.allows(4)
+    guard.observe(4, False, 4, 1e-3, followed=True, blocks=4)  # a probe's blocks, refused next step
+    for _ in range(IDLE_STEPS - 2):
+        guard.observe(4, False, 4, 1e-3, followed=True)
+    assert guard.allows(4)
+    guard.observe(4, False, 4, 1e-3, followed=True)
+    assert not guard.allows(4)
+    busy = DraftGuard()
+    for i in range(4 * IDLE_STEPS):
+        verified = i % 20 == 0
+        busy.observe(1, verified, 3 if verified else 1, 1e-3 if verified else 0.5e-3, followed=True, blocks=int(i % 20 == 19))
+    assert busy.allows(1)

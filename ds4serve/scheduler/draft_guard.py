@@ -9,7 +9,11 @@ steps' 4.4 (a 0.79x round). This guard does not model anything: per width it kee
 seconds of the steps that verified drafts and of the plain ones, and once both are known it turns drafting
 off at a width whose drafting steps get fewer tokens a second than its plain ones. The drafter's own
 seconds (its blocks, drafted in the step before the one that verifies them, and the rows it commits)
-count for drafting wherever they are spent. A width turned off is tried again ``RETRY`` steps later (its
+count for drafting wherever they are spent. A width whose drafter follows (captures and commits rows) for
+``IDLE_STEPS`` steps after it drafted a block without a draft verified in between is turned off too: at 4
+streams of the bundled model the cost rule kept DSpark following, with probe blocks that it then refused to
+verify (no row paid), ~4% of every step for nothing. (Following while the drafter's window fills after a gap
+drafts no block, and does not count.) A width turned off is tried again ``RETRY`` steps later (its
 drafting record forgotten): the text or the load may have changed.
 """
 
@@ -21,6 +25,7 @@ DECAY = 0.97  # weight of the past in a width's record, per step of that kind
 MIN_STEPS = 6.0  # decayed steps of each kind a width needs before the guard judges it
 RETRY = 256  # steps at a width turned off before its drafting is tried again
 PLAIN_EVERY = 16  # a width that drafts but lacks plain steps runs one plain in this many (``baseline``)
+IDLE_STEPS = 64  # steps a width's drafter may follow without a draft verified before it is turned off
 
 
 @dataclass
@@ -46,12 +51,23 @@ class DraftGuard:
         self._plain: dict[int, _Record] = {}
         self._drafting: dict[int, _Record] = {}
         self._off_since: dict[int, int] = {}  # width -> steps observed there since it was turned off
+        # width -> steps its drafter followed since it drafted a block, without a draft verified (None: no block
+        # drafted since the last verified draft)
+        self._idle: dict[int, int | None] = {}
 
-    def observe(self, width: int, drafting: bool, tokens: int, seconds: float, drafter_s: float = 0.0) -> None:
+    def observe(self, width: int, drafting: bool, tokens: int, seconds: float, drafter_s: float = 0.0,
+                followed: bool = False, blocks: int = 0) -> None:
         """One decode-only step of ``width`` decoders that committed ``tokens`` in ``seconds``, ``drafter_s`` of
-        them the drafter's own; ``drafting``: it verified a draft."""
+        them the drafter's own; ``drafting``: it verified a draft; ``followed``: its drafter captured rows in
+        it; ``blocks``: the blocks it drafted."""
         if width <= 0 or not seconds > 0 or not 0.0 <= drafter_s <= seconds:
             return
+        idle = self._idle.get(width)
+        if drafting:
+            idle = None
+        elif blocks or (idle is not None and followed):
+            idle = (idle or 0) + 1
+        self._idle[width] = idle
         if drafting:
             self._drafting.setdefault(width, _Record()).add(tokens, seconds)
         else:
@@ -63,8 +79,9 @@ class DraftGuard:
             if self._off_since[width] >= RETRY:  # try again from a clean record
                 del self._off_since[width]
                 self._drafting.pop(width, None)
-        elif self._loses(width):
+        elif self._loses(width) or (idle or 0) >= IDLE_STEPS:
             self._off_since[width] = 0
+            self._idle[width] = None
 
     def baseline(self, width: int, step: int) -> bool:
         """Whether step ``step`` of ``width`` decoders should run plain, for the record to compare with: a

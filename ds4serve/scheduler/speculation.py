@@ -58,7 +58,9 @@ class Speculation:
         self.step_costs.observe(len(plan.decodes), drafts, seconds - result.draft_s,
                                 sum(1 for d in plan.decodes if d.draft))
         self.draft_guard.observe(len(plan.decodes), drafts > 0,
-                                 len(plan.decodes) + sum(len(t.accepted) for t in result.tokens), seconds, result.draft_s)
+                                 len(plan.decodes) + sum(len(t.accepted) for t in result.tokens), seconds, result.draft_s,
+                                 followed=any(d.follow or d.propose for d in plan.decodes),
+                                 blocks=sum(1 for t in result.tokens if t.proposal))
 
     def _note_unfollowed(self, decodes, passes) -> None:
         """Positions a checkpoint drafter does not capture this step go out of its rings
