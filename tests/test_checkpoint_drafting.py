@@ -251,6 +251,10 @@ def test_a_prompt_is_read_by_the_drafter_only_where_drafting_could_pay(dspark_ck
     entries = getattr(drafts.model, "commit_entries", None)  # the native drafter's path: the backlog as it is
     if entries is not None:
         drafts.model.commit_entries = lambda got: (committed.append(sum(len(e[2]) for e in got)), entries(got))
+    start = getattr(drafts.model, "start_greedy", None)  # its commit on the pool's worker (``propose_later``)
+    if start is not None:
+        drafts.model.start_greedy = lambda got, *rest: (committed.append(sum(len(e[2]) for e in got)),
+                                                        start(got, *rest))[1]
     prompts = _prompts(core.cfg.vocab_size, 4)
     got = llm.generate(prompts, max_tokens=8, temperature=0.0, ignore_eos=True)
     plain = LLM(dspark_ckpt, max_seqs=4, host_kernels="on", warmup=False)

@@ -60,12 +60,15 @@ def test_a_width_whose_drafting_steps_win_stays_on():
     assert guard.allows(1)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("slow", [False, True])
-def test_the_engine_stops_drafting_where_its_drafter_makes_steps_slower(slow):
+def test_the_engine_stops_drafting_where_its_drafter_makes_steps_slower(slow, overlap):
     """The bundled model with its DSpark drafter at one stream, the costs the rule reads pinned so that it
     always drafts: with the drafter slowed to 4 ms a block the guard finds the drafting steps losing (once it
     has timed a few plain steps, which it asks for) and turns drafting off; at its own speed drafting goes
-    on. Greedy output is plain decoding's either way."""
+    on. Greedy output is plain decoding's either way. ``overlap``: the blocks drafted on the pool's worker
+    while the step is applied (``ModelDrafts.propose_later``), the slowness then in the engine's wait for
+    them."""
     from ds4serve.bench.spec_bench import TINY, prompts
     from ds4serve.llm import LLM
 
@@ -81,14 +84,21 @@ def test_the_engine_stops_drafting_where_its_drafter_makes_steps_slower(slow):
             return (1e-3, 0.0, 1e-6)
 
     sched.step_costs.__class__ = Pinned
+    drafts = llm.core.executor.drafts
+    llm.core.executor.overlap_drafts = overlap
     if slow:
-        propose = llm.core.executor.drafts.propose
+        propose, settle = drafts.propose, drafts.settle
 
         def slow_propose(asks):
             time.sleep(0.004)
             return propose(asks)
 
-        llm.core.executor.drafts.propose = slow_propose
+        def slow_settle():
+            if drafts._later is not None:
+                time.sleep(0.004)
+            return settle()
+
+        drafts.propose, drafts.settle = slow_propose, slow_settle
     drafted: list[int] = []
     apply = sched.apply
 
@@ -103,6 +113,7 @@ def test_the_engine_stops_drafting_where_its_drafter_makes_steps_slower(slow):
     late = drafted[2 * len(drafted) // 3:]  # the guard needs a few plain steps to compare with first
     assert (sum(late) == 0) is slow, drafted
     assert not sched.draft_guard.allows(1) is slow
+    assert (drafts.later > 0) is overlap
 
 
 def test_a_drafter_that_follows_without_drafting_is_turned_off():

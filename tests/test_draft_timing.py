@@ -126,6 +126,7 @@ def test_the_engine_keeps_drafting_after_a_slow_prompt_read():
     from ds4serve.llm import LLM
 
     llm = LLM(TINY, max_seqs=1, speculative=json.dumps({"method": "dspark"}))
+    llm.core.executor.overlap_drafts = False  # the commit in place, where a sleep can slow it (test_draft_overlap)
     model = llm.core.executor.drafts.model
     for name in ("commit_entries", "commit"):  # whichever path the engine takes for this drafter
         inner = getattr(model, name, None)

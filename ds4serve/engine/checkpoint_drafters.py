@@ -82,9 +82,10 @@ class NativeDSparkDrafts(DSparkDrafts):
         slots = torch.tensor([s.slot for s in states], dtype=torch.long).index_select(0, owners.cpu())
         self.native.commit(slots, positions.cpu(), hidden)
 
-    def commit_entries(self, entries) -> None:
-        """``commit`` of the engine's backlog entries ``(state, start, ids, hidden rows)`` as they are: each
-        row goes to C by its address (``NativeDSpark.commit_rows``), no tensor built for the call."""
+    @staticmethod
+    def _rows(entries) -> tuple[list[int], list[int], list[int], list[torch.Tensor]]:
+        """The backlog entries ``(state, start, ids, hidden rows)`` as row addresses, positions and pool slots
+        (and the tensors the addresses point into, to be kept alive)."""
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -97,7 +98,21 @@ class NativeDSparkDrafts(DSparkDrafts):
             rows += [base + i * stride for i in range(len(ids))]
             positions += range(start, start + len(ids))
             slots += [state.slot] * len(ids)
+        return rows, positions, slots, keep
+
+    def commit_entries(self, entries) -> None:
+        """``commit`` of the engine's backlog entries ``(state, start, ids, hidden rows)`` as they are: each
+        row goes to C by its address (``NativeDSpark.commit_rows``), no tensor built for the call."""
+        rows, positions, slots, _keep = self._rows(entries)
         self.native.commit_rows(rows, positions, slots)
+
+    def start_greedy(self, entries, states, anchors: list[int], anchor_positions: list[int], threads: int):
+        """``commit_entries(entries)`` then ``propose_greedy`` as one job on the host pool's worker
+        (``NativeDSpark.start``; its ``wait`` gives ``propose_greedy``'s result)."""
+        rows, positions, slots, keep = self._rows(entries)
+        job = self.native.start(rows, positions, slots, [s.slot for s in states], anchors, anchor_positions, threads)
+        job.keep = keep
+        return job
 
     def propose_greedy(self, states, anchors: list[int], anchor_positions: list[int]
                        ) -> tuple[list[bool], list[list[int]], list[list[float]]]:

@@ -33,7 +33,7 @@ from .capture import CapturePlan
 from .constraints import constrain
 from .decode_graphs import DecodeRunner, resolve_mode
 from .drafted import Verified, row_states, settle
-from .model_drafts import Ask, Fed, ModelDrafts, ProposeTiming
+from .model_drafts import Ask, ModelDrafts, Proposal, ProposeTiming, StepFeed
 from .plan import (DecodeRow, PassMember, PassProgress, PassSlice, RowStatus, SampledToken, StepPlan, StepResult,
                    StepStatus, drafter_captures)
 from .prompt_scoring import ScoredRows, keep_rows, score
@@ -57,29 +57,6 @@ class _Owner:
     @property
     def rows(self) -> int:
         return 1 + len(self.draft)
-
-
-class _Fed:
-    """The sequences of one step's forwards and their captured rows, for the model drafter."""
-
-    def __init__(self) -> None:
-        self.entries: list[Fed] = []
-        self._parts: list[torch.Tensor] = []
-        self._rows = 0
-
-    def add(self, chunks: list[tuple[SeqChunk, str]], captured: torch.Tensor) -> None:
-        at = self._rows
-        for chunk, request_id in chunks:
-            ids = chunk.ids.tolist() if isinstance(chunk.ids, torch.Tensor) else chunk.ids
-            self.entries.append(Fed(request_id, chunk.slot, chunk.start, tuple(ids), at))
-            at += len(chunk.ids)
-        if at - self._rows != captured.shape[0]:
-            raise StepError(f"{captured.shape[0]} captured rows for {at - self._rows} fed rows")
-        self._parts.append(captured)
-        self._rows = at
-
-    def rows(self) -> torch.Tensor:
-        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
 
 
 @dataclass
@@ -130,6 +107,10 @@ class Executor:
         # tensor parallel: how every rank learns the accepted drafts of a step, whose sampling is rank 0's
         # (``parallel_executor.Collectives.agree``: rank 0's counts, the workers' zeros, summed); None: one process
         self.agree: Callable[[list[int]], list[int]] | None = None
+        # a checkpoint drafter's greedy blocks drafted on the host pool's worker while the step is applied
+        # (``ModelDrafts.propose_later``): only for a caller that collects them (``settle_drafts``) before
+        # its next step, as ``EngineCore`` does; one process, more than one thread
+        self.overlap_drafts = False
 
     def use_drafter(self, drafts: ModelDrafts) -> None:
         """Run ``drafts`` with every step: its captures split the forward, its blocks are verified
@@ -234,13 +215,17 @@ class Executor:
         except Exception as exc:  # one bad step fails its requests, not the engine
             log.exception("step %d failed (%d decoders, %d pass slices)", plan.step_id, len(plan.decodes),
                           len(plan.passes))
+            if self.drafts is not None:
+                self.drafts.settle()  # nothing of the step is kept, but a job on the worker is waited for
             for p in plan.passes:
                 self._passes.pop(p.pass_id, None)
             return StepResult(step_id=plan.step_id, tokens=(), passes=(), status=StepStatus.FAILED,
                               error=f"{type(exc).__name__}: {exc}", elapsed_s=time.perf_counter() - t0)
+        later = timing is None  # the blocks are still being drafted (``settle_drafts``)
+        timing = timing or ProposeTiming()
         return StepResult(step_id=plan.step_id, tokens=tokens, passes=progress, elapsed_s=time.perf_counter() - t0,
                           prompt_logprobs=prompt, draft_s=draft_s, proposals=proposals,
-                          draft_prompt_s=timing.prompt_s, block_s=timing.block_s)
+                          draft_prompt_s=timing.prompt_s, block_s=timing.block_s, drafting=later)
 
     # ------------------------------------------------------------------------------------------
     def _execute(self, plan: StepPlan):
@@ -251,7 +236,7 @@ class Executor:
         owners: list[_Owner] = []
         scored: list[ScoredRows] = []  # prompt rows to score (``prompt_scoring``), members that ask only
         saved = None
-        fed = _Fed()  # what a model drafter reads of this step (``model_drafts``), when one runs
+        fed = StepFeed()  # what a model drafter reads of this step (``model_drafts``), when one runs
         if plan.decodes or whole:
             saved = self._merged_forward(plan.decodes, whole, rows, owners, scored, fed)
         progress = [PassProgress(p.pass_id, L, True) for p in whole]
@@ -267,12 +252,14 @@ class Executor:
             tokens, drafting = self._draft_next(fed, plan.decodes, owners, tokens)
         return tuple(tokens), tuple(progress), score(self.head, scored) if self.sample else (), drafting
 
-    def _draft_next(self, fed: "_Fed", decodes: tuple[DecodeRow, ...], owners: list[_Owner],
+    def _draft_next(self, fed: StepFeed, decodes: tuple[DecodeRow, ...], owners: list[_Owner],
                     tokens: list[SampledToken]
-                    ) -> tuple[list[SampledToken], tuple[float, int, ProposeTiming]]:
+                    ) -> tuple[list[SampledToken], tuple[float, int, ProposeTiming | None]]:
         """The model drafter's turn (``model_drafts``): commit what this step committed, then draft the
         next block of every sequence that got a token and is to propose; each token carries its block's
-        tokens. Also returns the seconds the drafting took and how many blocks (the scheduler's cost)."""
+        tokens. Also returns the seconds the drafting took and how many blocks (the scheduler's cost).
+        With ``overlap_drafts`` greedy blocks of the native DSpark drafter are drafted on the host pool's
+        worker instead: the tokens carry none and the timing is None (``settle_drafts`` has both)."""
         if not fed.entries:  # nothing captured this step: nothing to commit, no sequence to draft for
             return tokens, (0.0, 0, ProposeTiming())
         ok = {t.slot: t for t in tokens if t.status is RowStatus.OK}
@@ -284,10 +271,20 @@ class Executor:
                     len(o.sampler.output_ids) + 1 + len(ok[o.slot].accepted))  # its block's first output index
                 for o in owners if o.propose and o.slot in ok and o.slot in position]
         t0 = time.perf_counter()
+        if self.overlap_drafts and self.agree is None and asks \
+                and self.drafts.propose_later(asks, torch.get_num_threads()):
+            return tokens, (time.perf_counter() - t0, len(asks), None)  # ``settle_drafts`` gives the blocks
         proposals = self.drafts.propose(asks)
         spent = time.perf_counter() - t0
         return [t.with_proposal(proposals[t.slot].tokens, proposals[t.slot].survival)
                 if t.slot in proposals else t for t in tokens], (spent, len(asks), self.drafts.timing)
+
+    def settle_drafts(self) -> tuple[dict[int, Proposal], ProposeTiming]:
+        """The blocks a step left drafting on the pool's worker (``StepResult.drafting``), by slot, and how
+        the seconds the engine itself spent on them split (``ModelDrafts.settle``)."""
+        if self.drafts is None:
+            return {}, ProposeTiming()
+        return self.drafts.settle(), self.drafts.timing
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """The LM head the steps sample with: native where the host forward runs, else torch."""
@@ -300,7 +297,7 @@ class Executor:
         return self.head(self._forward(self._view(chunks)))
 
     def _merged_forward(self, decodes: tuple[DecodeRow, ...], whole: list[PassSlice], rows,
-                        owners, scored: list[ScoredRows], fed: "_Fed") -> SavedRings | None:
+                        owners, scored: list[ScoredRows], fed: StepFeed) -> SavedRings | None:
         """Every decoder (with its draft) and every whole pass in one forward; returns the ring rows the
         drafts overwrite (``draft_rows``), saved before the forward, or None without drafts."""
         chunks = [SeqChunk(d.slot, d.position, (d.token, *d.draft), self.cache.block_table(d.slot)) for d in decodes]
@@ -350,7 +347,7 @@ class Executor:
         return SeqChunk(m.slot, m.start, m.ids, self.cache.block_table(m.slot), spans=m.spans, image_rows=m.image_rows,
                         captures=m.captures)
 
-    def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows], fed: "_Fed") -> PassProgress:
+    def _advance(self, p: PassSlice, rows, owners, scored: list[ScoredRows], fed: StepFeed) -> PassProgress:
         """Run one layer slice of a multi-step pass, staging its hidden streams between steps."""
         st = self._passes.get(p.pass_id)
         if p.layer_start == 0:

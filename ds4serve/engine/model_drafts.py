@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..cache import SeqChunk
 from .capture import CapturePlan
 from .sampling import SamplerState, _race, token_seed
 from .spec_verify import DRAFT_DOMAIN, Draft, domain_seed, draft_probs, request_seed
@@ -100,6 +101,30 @@ class Fed:
     row: int
 
 
+class StepFeed:
+    """The sequences of one step's forwards and their captured rows, for the model drafter (the executor
+    fills it as its forwards run; ``ModelDrafts.commit`` takes its entries and rows)."""
+
+    def __init__(self) -> None:
+        self.entries: list[Fed] = []
+        self._parts: list[torch.Tensor] = []
+        self._rows = 0
+
+    def add(self, chunks: list[tuple[SeqChunk, str]], captured: torch.Tensor) -> None:
+        at = self._rows
+        for chunk, request_id in chunks:
+            ids = chunk.ids.tolist() if isinstance(chunk.ids, torch.Tensor) else chunk.ids
+            self.entries.append(Fed(request_id, chunk.slot, chunk.start, tuple(ids), at))
+            at += len(chunk.ids)
+        if at - self._rows != captured.shape[0]:
+            raise ValueError(f"{captured.shape[0]} captured rows for {at - self._rows} fed rows")
+        self._parts.append(captured)
+        self._rows = at
+
+    def rows(self) -> torch.Tensor:
+        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
+
+
 @dataclass(frozen=True)
 class Ask:
     """A sequence that got ``anchor`` this step, fed next at ``position``: it drafts its next block,
@@ -133,6 +158,24 @@ class Proposal:
     survival: tuple[float, ...]
 
 
+LATE_DECAY = 0.9  # weight of the past in ``ModelDrafts``' share of late workers
+LATE_LIMIT = 0.5  # above this share the worker is not used for ``LATE_PAUSE`` proposals
+LATE_PAUSE = 256
+
+
+@dataclass
+class _Later:
+    """A proposal running on the host pool's worker: its asks, the native job, the backlog rows it commits
+    (held alive until it is done), their count and prompt share, and the seconds it took to start."""
+
+    asks: list[Ask]
+    job: Any
+    keep: list[torch.Tensor]
+    rows: int
+    prompt_rows: int
+    start_s: float
+
+
 @dataclass
 class _Backlog:
     """A slot's committed rows not handed to the drafter yet: ``(start, ids, hidden rows, whether a prompt
@@ -157,12 +200,18 @@ class ModelDrafts:
         self.pending: dict[int, Proposal] = {}
         self.timing = ProposeTiming()  # the last ``propose``'s
         self.not_ready = 0  # proposals skipped: the drafter's window was not whole (after a prefix hit)
+        self._later: _Later | None = None  # a proposal running on the host pool's worker (``propose_later``)
+        self.later = 0  # proposals started on the worker (for tests and logs)
+        self.overlapped = 0  # of them, the ones the worker drafted (not the engine at its wait)
+        self._late = 0.0  # decayed share of them the engine waited for longer than they ran (a late worker)
+        self._paused = 0  # proposals left to draft in place after a run of late ones (``LATE_PAUSE``)
 
     @property
     def plan(self) -> CapturePlan:
         return self.model.plan
 
     def _state(self, request_id: str, slot: int, start: int) -> Any:
+        self.settle()
         held = self._states.get(slot)
         if held is None or held[0] != request_id or start == 0:
             if held is not None:
@@ -181,6 +230,7 @@ class ModelDrafts:
         only: no drafter reads further back) and reach the drafter when the slot next drafts a block
         (``_flush``): a request whose rate does not pay for drafting costs a row copy a step, not a
         drafter forward."""
+        self.settle()
         for f in fed:
             n = kept.get(f.slot, len(f.ids))
             if n <= 0:
@@ -196,13 +246,7 @@ class ModelDrafts:
         """Hand the backlogs of ``slots`` to the drafter in one batched commit; returns ``(rows, prompt
         rows)`` committed. A drafter with ``commit_entries`` (the native DSpark one) takes the backlog
         entries as they are: no tensor is built for them."""
-        entries: list[tuple[Any, int, tuple[int, ...], torch.Tensor]] = []
-        prompt_rows = 0
-        for slot in slots:
-            log_ = self._backlog.pop(slot, None)
-            for start, ids, hidden, prompt in log_.entries if log_ is not None else ():
-                prompt_rows += len(ids) if prompt else 0
-                entries.append((self._states[slot][1], start, ids, hidden))
+        entries, prompt_rows = self._backlogs(slots)
         if not entries:
             return 0, 0
         fast = getattr(self.model, "commit_entries", None)
@@ -225,11 +269,87 @@ class ModelDrafts:
                           torch.cat(parts) if len(parts) > 1 else parts[0], torch.tensor(owners, device=dev))
         return len(positions), prompt_rows
 
+    def _backlogs(self, slots: Sequence[int]) -> tuple[list[tuple[Any, int, tuple[int, ...], torch.Tensor]], int]:
+        """The backlog entries of ``slots`` as ``(state, start, ids, hidden rows)``, taken out of the backlogs,
+        and how many of their rows are a prompt's."""
+        entries: list[tuple[Any, int, tuple[int, ...], torch.Tensor]] = []
+        prompt_rows = 0
+        for slot in slots:
+            log_ = self._backlog.pop(slot, None)
+            for start, ids, hidden, prompt in log_.entries if log_ is not None else ():
+                prompt_rows += len(ids) if prompt else 0
+                entries.append((self._states[slot][1], start, ids, hidden))
+        return entries, prompt_rows
+
+    def _live(self, asks: Sequence[Ask]) -> list[Ask]:
+        return [a for a in asks if a.slot in self._states and self._states[a.slot][0] == a.request_id]
+
+    def propose_later(self, asks: Sequence[Ask], threads: int) -> bool:
+        """``propose``, its drafter work (the backlogs' commit and the greedy blocks) handed to the host pool's
+        worker (``start_greedy`` of the native DSpark drafter): the engine applies its step meanwhile, and
+        ``settle`` collects the blocks before anything reads them (every method here settles first).
+        False, with nothing done, where that does not apply (another drafter, a sampled or rejection-sampled
+        row, nothing to draft): then ``propose`` runs as before."""
+        start = getattr(self.model, "start_greedy", None)
+        if start is None or self.rejection or threads < 2 or not all(a.sampler.params.greedy for a in asks):
+            return False
+        self.settle()
+        if self._paused:
+            self._paused -= 1
+            return False
+        t0 = time.perf_counter()
+        asks = self._live(asks)
+        if not asks:
+            return False
+        entries, prompt_rows = self._backlogs([a.slot for a in asks])
+        job = start(entries, [self._states[a.slot][1] for a in asks], [a.anchor for a in asks],
+                    [a.position for a in asks], threads)
+        self._later = _Later(asks, job, [e[3] for e in entries], sum(len(e[2]) for e in entries), prompt_rows,
+                             time.perf_counter() - t0)
+        self.later += 1
+        return True
+
+    def settle(self) -> dict[int, Proposal]:
+        """The blocks of the proposal ``propose_later`` started (waited for; kept in ``pending``), by slot
+        (none without one). ``timing`` splits the seconds the engine spent on it itself (starting it, waiting
+        for it and reading it: what the worker did while the engine went on is not a cost of the step) as
+        the job's own commit and blocks split."""
+        later = self._later
+        if later is None:
+            return {}
+        self._later = None
+        t0 = time.perf_counter()
+        ok, tokens, survival = later.job.wait()
+        self._note_wait(time.perf_counter() - t0, sum(later.job.seconds), bool(later.job.on_worker))
+        out = {a.slot: Proposal(a.position, tuple(t), None, tuple(v))
+               for a, t, v, good in zip(later.asks, tokens, survival, ok) if good}
+        self.not_ready += ok.count(False)
+        self.pending.update(out)
+        spent = later.start_s + time.perf_counter() - t0
+        commit, blocks = later.job.seconds
+        share = commit / (commit + blocks) if commit + blocks > 0 else 0.0
+        prompt = spent * share * later.prompt_rows / later.rows if later.rows else 0.0
+        self.timing = ProposeTiming(prompt, spent * (1 - share))
+        return out
+
+    def _note_wait(self, waited: float, ran: float, on_worker: bool) -> None:
+        """A proposal's wait against its job's own seconds: a worker that keeps starting late (its core taken
+        by another job, so the engine waits longer than the job runs) drafts nothing in parallel and delays
+        every step it is waited for; after a run of such waits the blocks are drafted in place again for
+        ``LATE_PAUSE`` proposals, then the worker is tried again."""
+        self.overlapped += on_worker
+        self._late = LATE_DECAY * self._late + (1 - LATE_DECAY) * float(waited > ran)
+        if self._late > LATE_LIMIT:
+            log.info("the drafter's worker started late in most recent steps (waited %.0f us for a %.0f us job): "
+                     "blocks are drafted in place for the next %d proposals", waited * 1e6, ran * 1e6, LATE_PAUSE)
+            self._late, self._paused = 0.0, LATE_PAUSE
+
     def propose(self, asks: Sequence[Ask]) -> dict[int, Proposal]:
         """Draft the next block of every ready ``ask``; kept in ``pending`` and returned by slot. Where
         the time went is left in ``timing``."""
+        self.settle()
         self.timing = ProposeTiming()
-        asks = [a for a in asks if a.slot in self._states and self._states[a.slot][0] == a.request_id]
+        asks = self._live(asks)
         if not asks:
             return {}
         t0 = time.perf_counter()
@@ -266,6 +386,7 @@ class ModelDrafts:
     def take(self, slot: int, position: int, draft: tuple[int, ...]) -> Draft:
         """The verified prefix ``draft`` of the block pending for ``slot`` at ``position``, with its ``q``.
         Anything else is a scheduler bug (a draft whose ``q`` is unknown cannot be verified exactly)."""
+        self.settle()
         p = self.pending.pop(slot, None)
         if p is None or p.position != position or tuple(p.tokens[:len(draft)]) != tuple(draft):
             raise ValueError(f"slot {slot}: draft {draft} at position {position} is not the prefix of the block "
@@ -273,6 +394,7 @@ class ModelDrafts:
         return Draft(tuple(draft), p.q[:len(draft)])
 
     def drop(self, slot: int) -> None:
+        self.settle()
         held = self._states.pop(slot, None)
         if held is not None:
             self.model.release(held[1])

@@ -193,6 +193,9 @@ class StepResult:
     proposals: int = 0
     draft_prompt_s: float = 0.0  # of ``draft_s``: the drafter committing prompt rows (a prefill cost)
     block_s: float = 0.0  # of ``draft_s``: the blocks' own forward
+    # the drafter's next blocks are still being drafted on the host pool's worker (``Executor.settle_drafts``):
+    # the tokens carry none yet, and ``draft_s`` is only what starting them took
+    drafting: bool = False
 
 
 def drafter_captures(decodes: Sequence[DecodeRow], whole: Sequence[PassSlice]) -> bool:

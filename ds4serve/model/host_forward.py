@@ -121,6 +121,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ds4_arena_free.argtypes = [POINTER(_Arena)]
     lib.ds4_pool_check.argtypes = [c_int64, c_int64, c_int]
     lib.ds4_pool_check.restype = c_int64
+    lib.ds4_pool_job_check.argtypes = [c_int64, c_int64, c_int]
+    lib.ds4_pool_job_check.restype = c_int64
+    lib.ds4_pool_submit.argtypes = [c_void_p, c_void_p, c_int]
+    lib.ds4_pool_submit.restype = c_int
+    lib.ds4_pool_join.argtypes = []
+    lib.ds4_pool_join.restype = c_int
     return lib
 
 

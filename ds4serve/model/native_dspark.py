@@ -27,7 +27,7 @@ from ..environment import cache_root, native_build
 from ..native_build import OnceLibrary, build_library, cpu_key, sanitized
 from .dspark import DSparkRings, _rope_freqs
 from .dspark_weights import DSparkWeights
-from .host_forward import _BASE_FLAGS, _attempts
+from .host_forward import _BASE_FLAGS, _attempts, library as host_library
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,14 @@ class _Model(Structure):
     _fields_ = [("d", _Dims), ("stages", POINTER(_Stage))] + [(n, c_void_p) for n in _HEADS]
 
 
+class _Job(Structure):  # host_dspark.c DSJob
+    _fields_ = [("m", c_void_p), ("n_rows", c_int64), ("rows", c_void_p), ("row_pos", c_void_p),
+                ("row_slots", c_void_p), ("R", c_int64), ("anchors", c_void_p), ("anchor_pos", c_void_p),
+                ("slots", c_void_p), ("ring_kv", c_void_p), ("ring_pos", c_void_p), ("ready", c_void_p),
+                ("tokens", c_void_p), ("survival", c_void_p), ("rc", c_int64), ("commit_ns", c_int64),
+                ("propose_ns", c_int64)]
+
+
 def _load() -> ctypes.CDLL:
     build = native_build()
     extra = sanitized(["-DDS4_CHECK"] if build.check else [], build.sanitize)
@@ -88,6 +96,8 @@ def _load() -> ctypes.CDLL:
         lib.ds_propose_greedy.restype = c_int
         lib.ds_ready.argtypes = [POINTER(_Model), c_int64] + [c_void_p] * 4
         lib.ds_ready.restype = None
+        lib.ds_job_run.argtypes = [c_void_p]
+        lib.ds_job_run.restype = None
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -196,6 +206,19 @@ class NativeDSpark:
                                    (c_int64 * n)(*slots), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
             raise MemoryError("native DSpark commit: out of memory")
 
+    @property
+    def job_fn(self) -> int:
+        """The address of ``ds_job_run`` (for the host pool's ``ds4_pool_submit``)."""
+        return ctypes.cast(self.lib.ds_job_run, c_void_p).value
+
+    def start(self, rows: list[int], positions: list[int], row_slots: list[int], slots: list[int],
+              anchors: list[int], anchor_positions: list[int], threads: int) -> DSparkJob:
+        """``commit_rows(rows, positions, row_slots)`` then ``propose_greedy(slots, anchors, anchor_positions)``
+        as one job on the host pool's worker (``DSparkJob.wait`` for its results); where the pool cannot
+        take it (one thread, or the pool busy) it has run by the time this returns. The rows' tensors must
+        stay alive until the wait."""
+        return DSparkJob(self, rows, positions, row_slots, slots, anchors, anchor_positions, threads)
+
     def ready(self, slots: list[int], last: list[int]) -> list[bool]:
         """Whether each ring holds every row a block after committed position ``last[i]`` may see: its
         window ``[max(0, last - window + 1), last]`` whole (``DSparkRings.complete``, by the rings'
@@ -239,3 +262,43 @@ class NativeDSpark:
         if rc != 0:
             raise MemoryError("native DSpark draft: out of memory")  # the limits were checked in unsupported
         return base, hidden, tokens, conf
+
+
+class DSparkJob:
+    """A commit and a greedy proposal running on the host pool's worker (``NativeDSpark.start``): every
+    array the C job reads or writes is held here until ``wait``."""
+
+    def __init__(self, native: "NativeDSpark", rows: list[int], positions: list[int], row_slots: list[int],
+                 slots: list[int], anchors: list[int], anchor_positions: list[int], threads: int):
+        n, R, b = len(rows), len(slots), native.block
+        self.native, self.R, self.block = native, R, b
+        self._arrays = ((c_void_p * n)(*rows), (c_int64 * n)(*positions), (c_int64 * n)(*row_slots),
+                        (c_int64 * R)(*anchors), (c_int64 * R)(*anchor_positions), (c_int64 * R)(*slots))
+        self.ready, self.tokens, self.survival = (c_int64 * R)(), (c_int64 * (R * b))(), (c_float * (R * b))()
+        a = self._arrays
+        self.job = _Job(ctypes.addressof(native.model), n, *[ctypes.addressof(x) for x in a[:3]], R,
+                        ctypes.addressof(a[3]), ctypes.addressof(a[4]), ctypes.addressof(a[5]),
+                        native.rings.kv.data_ptr(), native.rings.pos.data_ptr(), ctypes.addressof(self.ready),
+                        ctypes.addressof(self.tokens), ctypes.addressof(self.survival), 0, 0, 0)
+        host = host_library()
+        self._host = host
+        self.pooled = host is not None and host.ds4_pool_submit(native.job_fn, ctypes.byref(self.job), threads) == 1
+        if host is None:  # no host unit: the job runs here, now
+            native.lib.ds_job_run(ctypes.byref(self.job))
+        self.on_worker: bool | None = None
+
+    def wait(self) -> tuple[list[bool], list[list[int]], list[list[float]]]:
+        """``propose_greedy``'s ``(ready, tokens, survival)``, once the job is done (joined here)."""
+        if self.pooled:
+            self.on_worker = self._host.ds4_pool_join() == 1
+            self.pooled = False
+        if self.job.rc != 0:
+            raise MemoryError("native DSpark drafter: out of memory")
+        b, toks, surv = self.block, self.tokens[:], self.survival[:]
+        return ([bool(r) for r in self.ready], [toks[i * b:(i + 1) * b] for i in range(self.R)],
+                [surv[i * b:(i + 1) * b] for i in range(self.R)])
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        """The job's own ``(commit, propose)`` seconds (not what the caller waited for them)."""
+        return self.job.commit_ns * 1e-9, self.job.propose_ns * 1e-9

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 
 from ..engine.parallel_executor import RankFailure
-from ..engine.plan import member_problems, validate_plan, validate_step_result
+from ..engine.model_drafts import ProposeTiming
+from ..engine.plan import StepPlan, StepResult, member_problems, validate_plan, validate_step_result
 from ..multimodal.layout import TokenType
 from ..scheduler.admission import FitLimits, fit
 from ..scheduler.drafting import DraftPolicy
@@ -60,6 +62,8 @@ class EngineCore:
         self._parts = parts
         self._ids = itertools.count(1)
         self._tally = StepTally()
+        self._drafting: tuple[StepPlan, StepResult] | None = None  # a step whose drafter blocks are pending
+        self.executor.overlap_drafts = True  # this core settles them (``_settle``) before it plans again
         self.stats: EngineStats = self._snapshot()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -99,6 +103,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         if self.broken:
             raise FatalStepError(self.broken)
+        self._settle()
         record = None
         try:
             outs, record = self._step()
@@ -106,6 +111,25 @@ class EngineCore:
         finally:
             self._tally.count(record)
             self.stats = self._snapshot()
+            if not self.scheduler.has_work:  # nobody left to plan for: no job left on the worker either
+                self._settle()
+
+    def _settle(self) -> None:
+        """Collect the blocks the last step's drafter drafted on the host pool's worker while the step was
+        applied and handed out (``Executor.settle_drafts``), before anything plans with them. A drafter
+        that fails there leaves those requests without a block (they decode plainly), logged."""
+        if self._drafting is None:
+            return
+        plan, result = self._drafting
+        self._drafting = None
+        t0 = time.perf_counter()
+        try:
+            proposals, timing = self.executor.settle_drafts()
+        except Exception:  # noqa: BLE001 - a drafter's failure costs its blocks, not the requests
+            log.exception("step %d: the drafter's next blocks failed; those requests decode without drafts",
+                          plan.step_id)
+            proposals, timing = {}, ProposeTiming()
+        self.scheduler.settle_drafts(plan, result, proposals, time.perf_counter() - t0, timing)
 
     def _step(self) -> tuple[list[RequestOutput], StepRecord | None]:
         plan = self.scheduler.schedule()
@@ -127,7 +151,10 @@ class EngineCore:
         record = StepRecord(plan.step_id, len(plan.decodes), sum(p.rows for p in plan.passes),
                             plan.row_layers(self.cfg.num_layers), result.elapsed_s)
         self.history.append(record)
-        return self.scheduler.apply(plan, result), record
+        outs = self.scheduler.apply(plan, result)
+        if result.drafting:
+            self._drafting = (plan, result)
+        return outs, record
 
     def _break(self, why: str) -> None:
         log.critical("fatal step error: %s", why)
@@ -152,6 +179,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the encoder worker and the other ranks (the engine loop owns everything else)."""
+        self._settle()
         self._parts.close()
 
     # ---- the prefix cache and the published figures ----------------------------------------
@@ -180,6 +208,7 @@ class EngineCore:
 
     def leaks(self) -> str:
         """'' if every slot, page, snapshot byte and pass is accounted for by live requests."""
+        self._settle()
         sched = self.scheduler
         holders = [r for r in sched.requests.values() if r.images_submitted]
         problems = self._parts.leaks(

@@ -53,6 +53,7 @@ class Scheduler(MemoryPressure, Speculation):
         self.step_costs = StepCosts(limits.step_costs)  # what a decode step costs, learnt as it runs
         self.draft_guard = DraftGuard()  # whether drafting steps really beat plain ones, per width
         self._planned_at = time.perf_counter()
+        self._unobserved: float | None = None  # seconds of a step whose drafter blocks are pending (``settle_drafts``)
         self._schedules = 0
         self.cache = cache
         self.encoder = encoder  # DS4V checkpoints: asked which images are ready (``ready``), else None
@@ -331,7 +332,11 @@ class Scheduler(MemoryPressure, Speculation):
             if req is not None and req.suspect is not None and req.computed >= req.clear_at:
                 self.quarantine.clear(req)
         if self.drafting is not None:
-            self._observe_step(plan, result, time.perf_counter() - self._planned_at)
+            seconds = time.perf_counter() - self._planned_at
+            if result.drafting:  # observed once its blocks are in (``settle_drafts``)
+                self._unobserved = seconds
+            else:
+                self._observe_step(plan, result, seconds)
         self.step_costs.applied()
         return self.take_outputs()
 

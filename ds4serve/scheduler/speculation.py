@@ -17,6 +17,8 @@ A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..engine.plan import drafter_captures
 from .request import Request, RequestStatus
 
@@ -45,6 +47,24 @@ class Speculation:
         return self.drafting.plan(decoders, self.limits, self.step_costs.costs(), self.step_costs.draft_cost,
                                   self._schedules, prefill=lambda: self._prefill_demand(lane),
                                   per_draft=self.step_costs.per_draft)
+
+    def settle_drafts(self, plan, result, proposals: dict, waited: float, timing) -> None:
+        """The next blocks of a step whose drafter ran beside its apply (``StepResult.drafting``;
+        ``EngineCore._settle``), by slot: onto their requests as ``apply`` puts a step's blocks, and the
+        step observed with them: ``waited``, the seconds the engine spent collecting them after the apply,
+        are the drafter's and the step's (not the loop's gap); ``timing`` how all its drafter seconds split."""
+        for tok in result.tokens:
+            p, req = proposals.get(tok.slot), self.requests.get(tok.request_id)
+            if p is not None and req is not None and not req.status.finished:
+                req.proposal, req.proposal_at, req.proposal_survival = p.tokens, req.computed, p.survival
+        if self._unobserved is not None:
+            tokens = tuple(t.with_proposal(proposals[t.slot].tokens, proposals[t.slot].survival)
+                           if t.slot in proposals else t for t in result.tokens)
+            done = replace(result, tokens=tokens, draft_s=result.draft_s + waited, draft_prompt_s=timing.prompt_s,
+                           block_s=timing.block_s, drafting=False)
+            self._observe_step(plan, done, self._unobserved + waited)
+        self._unobserved = None
+        self.step_costs.settled(waited)
 
     def _observe_step(self, plan, result, seconds: float) -> None:
         """A step's figures for the cost rule and the guard: the drafter's own seconds and blocks

@@ -165,6 +165,12 @@ class StepCosts:
         """The step planned last is applied (its outputs go to the loop now)."""
         self._applied_at = time.perf_counter()
 
+    def settled(self, seconds: float) -> None:
+        """``seconds`` after the last apply were the step's own (waiting for its drafter's blocks, which
+        ran beside the apply): not the loop's gap."""
+        if self._applied_at is not None:
+            self._applied_at += seconds
+
     def observe_gap(self, seconds: float) -> None:
         """The time from one step's apply to the next step's plan: the serving loop's own work a step
         (publishing figures, handing out tokens), which every step pays and the steps' timing misses.

@@ -21,6 +21,8 @@
               and confidence heads left to right (dspark.markov_sample with an argmax sampler). */
 #include "host.h"
 
+#include <time.h>
+
 typedef struct {  /* field order: native_dspark.py _Dims */
     int64_t D, hc, H, hd, rd, q_lora, o_groups, o_lora, n_exp, top_k, inter, sh_inter, V, iters, scoring,
         norm_topk, W, S, B, rank, L, noise, lm_kn, capacity;
@@ -654,4 +656,39 @@ int ds_propose_greedy(const DSModel *m, int64_t R, const int64_t *anchors, const
     }
     free(base);
     return 0;
+}
+
+/* ---- a commit and a greedy proposal as one job (ds4_pool_submit of the host unit runs it) ----------
+   The engine hands the step's backlog rows and greedy blocks to the host pool's worker and applies the
+   step meanwhile (engine/model_drafts.py, ModelDrafts.propose_later); the job's own times say how its
+   unhidden wait splits between the commit and the blocks. Field order: native_dspark.py _Job. */
+typedef struct {
+    const DSModel *m;
+    int64_t n_rows;
+    const float *const *rows;
+    const int64_t *row_pos, *row_slots;
+    int64_t R;
+    const int64_t *anchors, *anchor_pos, *slots;
+    float *ring_kv;
+    int64_t *ring_pos, *ready, *tokens;
+    float *survival;
+    int64_t rc, commit_ns, propose_ns;
+} DSJob;
+
+static int64_t ds_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void ds_job_run(void *arg) {
+    DSJob *j = (DSJob *)arg;
+    int64_t t0 = ds_now_ns();
+    j->rc = j->n_rows ? ds_commit_rows(j->m, j->n_rows, j->rows, j->row_pos, j->row_slots, j->ring_kv, j->ring_pos) : 0;
+    int64_t t1 = ds_now_ns();
+    if (j->rc == 0 && j->R)
+        j->rc = ds_propose_greedy(j->m, j->R, j->anchors, j->anchor_pos, j->slots, j->ring_kv, j->ring_pos, j->ready,
+                                  j->tokens, j->survival);
+    j->commit_ns = t1 - t0;
+    j->propose_ns = ds_now_ns() - t1;
 }

@@ -150,6 +150,75 @@ static void pool_run(int64_t n_items, int64_t grain, range_fn fn, void *ctx) {
     pthread_mutex_unlock(&p->busy);
 }
 
+/* ---- one job beside the caller ------------------------------------------------------------------
+   ds4_pool_submit hands one function to the pool's worker and returns at once; ds4_pool_join waits for
+   it (running it on the calling thread if no worker has taken it yet). Why: a checkpoint drafter's block
+   (host_dspark.c) is single-threaded native work the engine's Python bookkeeping does not depend on; on
+   the worker, which spins right after the step's forward, it runs while the caller applies the step.
+   The pool stays claimed (busy) until the join, so a loop started in between runs on its caller alone. */
+
+typedef void (*job_fn)(void *arg);
+
+static struct {
+    job_fn fn;
+    void *arg;
+    uint32_t gen;
+    int live;
+    _Atomic int on_worker;  /* the worker ran it (not the joining caller) */
+    pthread_t caller;
+} g_job;
+
+static void job_chunk(void *ctx, int64_t lo, int64_t hi) {
+    (void)ctx, (void)lo, (void)hi;
+    atomic_store(&g_job.on_worker, !pthread_equal(pthread_self(), g_job.caller));
+    g_job.fn(g_job.arg);
+}
+
+/* returns 1 when the job went to the pool (join before the next submit), 0 when it ran here already
+   (one thread, the pool busy, or no worker could start) */
+int ds4_pool_submit(job_fn fn, void *arg, int threads) {
+    Pool *p = &g_pool;
+    if (g_job.live) return -1;  /* one job at a time: the caller joins first */
+    g_threads = threads > 0 ? threads : 1;
+    if (g_threads <= 1 || pthread_mutex_trylock(&p->busy) != 0) {
+        fn(arg);
+        return 0;
+    }
+    if (pool_resize(p, g_threads - 1) == 0) {
+        pthread_mutex_unlock(&p->busy);
+        fn(arg);
+        return 0;
+    }
+    uint32_t g = atomic_load(&p->gen) + 1;
+    g_job.fn = fn, g_job.arg = arg, g_job.gen = g, g_job.live = 1, g_job.caller = pthread_self();
+    atomic_store(&g_job.on_worker, 0);
+    p->fn = job_chunk;
+    p->ctx = NULL;
+    p->n_items = 1;
+    atomic_store(&p->done, 0);
+    atomic_store(&p->claim, CLAIM(g, 1, 0));
+    atomic_store(&p->gen, g);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    return 1;
+}
+
+/* waits for the submitted job; returns 0 without one, 1 when the worker ran it, 2 when this thread did */
+int ds4_pool_join(void) {
+    Pool *p = &g_pool;
+    if (!g_job.live) return 0;
+    pool_claim(p, g_job.gen);  /* not taken yet: it runs here */
+    for (int spins = 0; atomic_load(&p->done) < 1; spins++) {
+        if (spins < WAIT_SPINS) cpu_relax(); else sched_yield();
+    }
+    g_job.live = 0;
+    pthread_mutex_unlock(&p->busy);
+    return atomic_load(&g_job.on_worker) ? 1 : 2;
+}
+
 /* ---- self-check (tests): every item of every loop runs exactly once ---------------------------- */
 
 typedef struct {
@@ -175,4 +244,30 @@ int64_t ds4_pool_check(int64_t loops, int64_t items, int threads) {
     for (int64_t i = 0; i < items; i++) wrong += atomic_load(&counts[i]) != loops;
     free(counts);
     return wrong;
+}
+
+static void count_job(void *c) {
+    CountJob *j = (CountJob *)c;
+    for (volatile int spin = 0; spin < 20000; spin++) {}  /* long enough for the caller to reach its join */
+    atomic_fetch_add(&j->counts[0], 1);
+}
+
+/* `jobs` submitted jobs, each joined after a loop of `items` items run meanwhile (alone: the pool is the
+   job's); returns -1 on a job that did not run exactly once, else how many jobs the worker ran */
+int64_t ds4_pool_job_check(int64_t jobs, int64_t items, int threads) {
+    _Atomic int32_t *counts = calloc((size_t)(items + 1), sizeof *counts);
+    if (!counts) return -1;
+    CountJob job = {counts}, loop = {counts + 1};
+    int64_t on_worker = 0;
+    for (int64_t l = 0; l < jobs; l++) {
+        atomic_store(&counts[0], 0);
+        ds4_pool_submit(count_job, &job, threads);
+        pool_run(items, 1, count_items, &loop);
+        on_worker += ds4_pool_join() == 1;
+        if (atomic_load(&counts[0]) != 1) return free(counts), -1;
+    }
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < items; i++) wrong += atomic_load(&counts[i + 1]) != jobs;
+    free(counts);
+    return wrong ? -1 : on_worker;
 }
