@@ -110,9 +110,8 @@ class NativeDSparkDrafts(DSparkDrafts):
         """``commit_entries(entries)`` then ``propose_greedy`` as one job on the host pool's worker
         (``NativeDSpark.start``; its ``wait`` gives ``propose_greedy``'s result)."""
         rows, positions, slots, keep = self._rows(entries)
-        job = self.native.start(rows, positions, slots, [s.slot for s in states], anchors, anchor_positions, threads)
-        job.keep = keep
-        return job
+        return self.native.start(rows, positions, slots, [s.slot for s in states], anchors, anchor_positions, threads,
+                                 keep)
 
     def propose_greedy(self, states, anchors: list[int], anchor_positions: list[int]
                        ) -> tuple[list[bool], list[list[int]], list[list[float]]]:

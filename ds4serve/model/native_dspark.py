@@ -180,6 +180,8 @@ class NativeDSpark:
         heads = [t.t() if i in _KN_HEADS else t for i, t in enumerate(heads)]
         self.model = _Model(d, self._stages, *[self._ptr(t, raw=(i == 10 and lm_kn)) for i, t in enumerate(heads)])
         self.vocab, self.block, self.hidden = dims["V"], cfg.block_size, tc.hidden_size
+        self._arrays: _JobArrays | None = None  # ``start``'s, made on its first job
+        self._job_fn: int | None = None  # the address of ``ds_job_run``
 
     def _ptr(self, t: torch.Tensor | None, raw: bool = False) -> int | None:
         if t is None:
@@ -206,18 +208,23 @@ class NativeDSpark:
                                    (c_int64 * n)(*slots), self.rings.kv.data_ptr(), self.rings.pos.data_ptr()) != 0:
             raise MemoryError("native DSpark commit: out of memory")
 
-    @property
-    def job_fn(self) -> int:
-        """The address of ``ds_job_run`` (for the host pool's ``ds4_pool_submit``)."""
-        return ctypes.cast(self.lib.ds_job_run, c_void_p).value
-
     def start(self, rows: list[int], positions: list[int], row_slots: list[int], slots: list[int],
-              anchors: list[int], anchor_positions: list[int], threads: int) -> DSparkJob:
+              anchors: list[int], anchor_positions: list[int], threads: int, keep: list | None = None) -> DSparkJob:
         """``commit_rows(rows, positions, row_slots)`` then ``propose_greedy(slots, anchors, anchor_positions)``
-        as one job on the host pool's worker (``DSparkJob.wait`` for its results); where the pool cannot
-        take it (one thread, or the pool busy) it has run by the time this returns. The rows' tensors must
-        stay alive until the wait."""
-        return DSparkJob(self, rows, positions, row_slots, slots, anchors, anchor_positions, threads)
+        as one job on the host pool's worker (``DSparkJob.wait`` for its results; one job at a time); where
+        the pool cannot take it (one thread, the pool busy, no host unit) it has run by the time this
+        returns. ``keep``: the tensors ``rows`` point into, held until the wait."""
+        a = self._arrays
+        if a is None or len(rows) > a.n_cap or len(slots) > a.r_cap:
+            a = self._arrays = _JobArrays(self, max(len(rows), 256), max(len(slots), self.rings.capacity))
+        a.fill(rows, positions, row_slots, slots, anchors, anchor_positions)
+        host = host_library()
+        if host is None:
+            self.lib.ds_job_run(a.address)
+            return DSparkJob(a, self.block, False, keep or [])
+        if self._job_fn is None:
+            self._job_fn = ctypes.cast(self.lib.ds_job_run, c_void_p).value
+        return DSparkJob(a, self.block, host.ds4_pool_submit(self._job_fn, a.address, threads) == 1, keep or [])
 
     def ready(self, slots: list[int], last: list[int]) -> list[bool]:
         """Whether each ring holds every row a block after committed position ``last[i]`` may see: its
@@ -264,41 +271,52 @@ class NativeDSpark:
         return base, hidden, tokens, conf
 
 
-class DSparkJob:
-    """A commit and a greedy proposal running on the host pool's worker (``NativeDSpark.start``): every
-    array the C job reads or writes is held here until ``wait``."""
+class _JobArrays:
+    """The arrays of ``NativeDSpark``'s one job at a time, kept from job to job (built for each job they
+    cost ~30 us of Python a step of the bundled model) and grown when a job needs more rows."""
 
-    def __init__(self, native: "NativeDSpark", rows: list[int], positions: list[int], row_slots: list[int],
-                 slots: list[int], anchors: list[int], anchor_positions: list[int], threads: int):
-        n, R, b = len(rows), len(slots), native.block
-        self.native, self.R, self.block = native, R, b
-        self._arrays = ((c_void_p * n)(*rows), (c_int64 * n)(*positions), (c_int64 * n)(*row_slots),
-                        (c_int64 * R)(*anchors), (c_int64 * R)(*anchor_positions), (c_int64 * R)(*slots))
-        self.ready, self.tokens, self.survival = (c_int64 * R)(), (c_int64 * (R * b))(), (c_float * (R * b))()
-        a = self._arrays
-        self.job = _Job(ctypes.addressof(native.model), n, *[ctypes.addressof(x) for x in a[:3]], R,
-                        ctypes.addressof(a[3]), ctypes.addressof(a[4]), ctypes.addressof(a[5]),
-                        native.rings.kv.data_ptr(), native.rings.pos.data_ptr(), ctypes.addressof(self.ready),
-                        ctypes.addressof(self.tokens), ctypes.addressof(self.survival), 0, 0, 0)
-        host = host_library()
-        self._host = host
-        self.pooled = host is not None and host.ds4_pool_submit(native.job_fn, ctypes.byref(self.job), threads) == 1
-        if host is None:  # no host unit: the job runs here, now
-            native.lib.ds_job_run(ctypes.byref(self.job))
+    def __init__(self, native: "NativeDSpark", rows: int, requests: int):
+        b = native.block
+        self.n_cap, self.r_cap = rows, requests
+        self.rows, self.row_pos, self.row_slots = (c_void_p * rows)(), (c_int64 * rows)(), (c_int64 * rows)()
+        self.anchors, self.anchor_pos, self.slots = (c_int64 * requests)(), (c_int64 * requests)(), (c_int64 * requests)()
+        self.ready, self.tokens, self.survival = (c_int64 * requests)(), (c_int64 * (requests * b))(), (c_float * (requests * b))()
+        at = ctypes.addressof
+        self.job = _Job(at(native.model), 0, at(self.rows), at(self.row_pos), at(self.row_slots), 0, at(self.anchors),
+                        at(self.anchor_pos), at(self.slots), native.rings.kv.data_ptr(), native.rings.pos.data_ptr(),
+                        at(self.ready), at(self.tokens), at(self.survival), 0, 0, 0)
+        self.address = at(self.job)
+
+    def fill(self, rows: list[int], positions: list[int], row_slots: list[int], slots: list[int], anchors: list[int],
+             anchor_positions: list[int]) -> None:
+        n, R = len(rows), len(slots)
+        self.rows[:n], self.row_pos[:n], self.row_slots[:n] = rows, positions, row_slots
+        self.anchors[:R], self.anchor_pos[:R], self.slots[:R] = anchors, anchor_positions, slots
+        self.job.n_rows, self.job.R, self.job.rc = n, R, 0
+
+
+class DSparkJob:
+    """A commit and a greedy proposal started on the host pool's worker (``NativeDSpark.start``), until
+    ``wait``: its arrays (``_JobArrays``) and the rows its addresses point into are not touched before."""
+
+    def __init__(self, arrays: _JobArrays, block: int, pooled: bool, keep: list):
+        self._arrays, self.R, self.block, self.pooled, self.keep = arrays, arrays.job.R, block, pooled, keep
         self.on_worker: bool | None = None
 
     def wait(self) -> tuple[list[bool], list[list[int]], list[list[float]]]:
         """``propose_greedy``'s ``(ready, tokens, survival)``, once the job is done (joined here)."""
+        a = self._arrays
         if self.pooled:
-            self.on_worker = self._host.ds4_pool_join() == 1
+            self.on_worker = host_library().ds4_pool_join() == 1
             self.pooled = False
-        if self.job.rc != 0:
+        if a.job.rc != 0:
             raise MemoryError("native DSpark drafter: out of memory")
-        b, toks, surv = self.block, self.tokens[:], self.survival[:]
-        return ([bool(r) for r in self.ready], [toks[i * b:(i + 1) * b] for i in range(self.R)],
-                [surv[i * b:(i + 1) * b] for i in range(self.R)])
+        R, b = self.R, self.block
+        toks, surv = a.tokens[:R * b], a.survival[:R * b]
+        return ([bool(r) for r in a.ready[:R]], [toks[i * b:(i + 1) * b] for i in range(R)],
+                [surv[i * b:(i + 1) * b] for i in range(R)])
 
     @property
     def seconds(self) -> tuple[float, float]:
         """The job's own ``(commit, propose)`` seconds (not what the caller waited for them)."""
-        return self.job.commit_ns * 1e-9, self.job.propose_ns * 1e-9
+        return self._arrays.job.commit_ns * 1e-9, self._arrays.job.propose_ns * 1e-9
