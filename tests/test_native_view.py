@@ -55,7 +55,9 @@ def test_native_view_equals_build_view(case):
     _views_equal(got, ref)
 
 
-def _views_equal(got, ref) -> None:
+def _views_equal(got, ref, padded: bool = False) -> None:
+    """``got`` is ``ref``, array for array; ``padded``: a reused view's visible rows may run on past
+    ``ref``'s, to a multiple of ``VIS_QUANTUM``, as invalid entries (row 0)."""
     assert got.rings_after_write == ref.rings_after_write
     for f in ("ids", "positions", "swa_keys", "swa_valid", "swa_dst", "swa_src"):
         _same(getattr(got, f), getattr(ref, f), f)
@@ -64,8 +66,13 @@ def _views_equal(got, ref) -> None:
         for f in ("emit_slots", "emit_valid", "emit_pos", "emit_rows", "ring_dst", "ring_src"):
             _same(getattr(got.compress[k], f), getattr(ci, f), f"{k} {f}")
     for r, vr in ref.visible.items():
-        _same(got.visible[r].rows, vr.rows, f"visible {r} rows")
-        _same(got.visible[r].valid, vr.valid, f"visible {r} valid")
+        rows, valid, w = got.visible[r].rows, got.visible[r].valid, vr.rows.shape[1]
+        if padded:
+            assert rows.shape[1] % native_view.VIS_QUANTUM == 0 and w <= rows.shape[1] < w + native_view.VIS_QUANTUM
+            assert not valid[:, w:].any() and not rows[:, w:].any(), f"visible {r} padding"
+            rows, valid = rows[:, :w], valid[:, :w]
+        _same(rows, vr.rows, f"visible {r} rows")
+        _same(valid, vr.valid, f"visible {r} valid")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -84,10 +91,10 @@ def test_a_reused_view_equals_a_fresh_one_step_after_step(name):
                            pages[slot]) for slot, pos in starts.items()]
         ref = build_view(layout, N_SLOTS, chunks, torch.device("cpu"), tiles=True)
         got = build_view(layout, N_SLOTS, chunks, torch.device("cpu"), tiles=False, reuse=reuse)
-        _views_equal(got, ref)
+        _views_equal(got, ref, padded=True)
         seen.append(got)
-    assert reuse.reused >= 15  # many steps keep the shape
-    assert len({id(v) for v in seen}) > 3  # a draft, a window filling, a compressor's rows growing: new shapes
+    assert reuse.reused >= 30  # most steps keep the capacity (the closing windows' count moves within it)
+    assert len({id(v) for v in seen}) > 2  # a draft, the window filling: new buffers
 
 
 def test_build_view_takes_the_native_form_only_for_plain_text(random_ckpt):
@@ -110,16 +117,21 @@ def test_build_view_takes_the_native_form_only_for_plain_text(random_ckpt):
     assert not native_view.plain_text(plain, torch.device("meta"))
 
 
-def test_the_engine_answers_the_same_with_its_views_refilled_in_place():
-    """The bundled model, three streams of 40 tokens with logprobs: refilling the merged forward's view in
-    place (and keeping the native forward's descriptor of it) changes no token and no logprob bit."""
+@pytest.mark.parametrize("speculative", [None, '{"method": "dspark"}'])
+def test_the_engine_answers_the_same_with_its_views_refilled_in_place(speculative):
+    """The bundled model, three streams of 40 tokens with logprobs (and with its DSpark drafter, whose verify
+    steps' views close a varying number of compressor windows): refilling the merged forward's view in place
+    (its visible rows padded, and the native forward's descriptor of it kept) changes no token and no
+    logprob bit."""
     from ds4serve.bench.spec_bench import TINY, prompts
     from ds4serve.llm import LLM
 
-    fresh, reused = LLM(TINY, max_seqs=3), LLM(TINY, max_seqs=3)
+    fresh, reused = LLM(TINY, max_seqs=3, speculative=speculative), LLM(TINY, max_seqs=3, speculative=speculative)
     fresh.core.executor._merged_view = None
     asks = prompts(3, fresh.core.cfg.vocab_size, length=80)  # past the sliding window: its width holds
     got = [llm.generate_with_logprobs(asks, max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
            for llm in (fresh, reused)]
     assert reused.core.executor._merged_view.reused > 10
     assert got[0] == got[1] and all(len(lps) == 40 for _, lps in got[0])
+    if speculative:
+        assert reused.core.stats.speculation.get("verify_steps", 0) > 0

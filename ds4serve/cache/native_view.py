@@ -11,6 +11,7 @@ every array) and the path for everything else; no compiler means it is used alwa
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from collections.abc import Sequence
 from ctypes import POINTER, c_int, c_int64, c_void_p
@@ -80,20 +81,72 @@ def _geometry(layout: StateLayout) -> tuple[tuple[tuple[int, bool], ...], tuple[
 
 
 class ViewReuse:
-    """A caller's buffers for views of one shape, filled again in place while the shape holds (the merged
-    forward of a decode step: the same sequences one token on, step after step). The view returned last is
-    then the same object, its arrays rewritten: a caller passes a ``ViewReuse`` only for views it does not
-    keep past the next one (a layer-sliced pass keeps its view across steps: it passes none).
+    """A caller's buffers for views of a few capacities, each filled again in place when its capacity comes
+    again (the merged forward of a decode step: the same sequences one token on, step after step, a verify
+    step's rows varying with its drafts). A view returned before is then the same object, its arrays
+    rewritten: a caller passes a ``ViewReuse`` only for views it does not keep past the next one (a
+    layer-sliced pass keeps its view across steps: it passes none).
 
-    Why: assembling the view's arrays (a split into ~20 tensors, their dataclasses) cost ~45 us of a ~600 us
-    one-stream step of the bundled model, the C fill 2 us; a shape holds for many steps (it changes when a
-    sequence joins or leaves, or its window or a compressor's visible rows grow)."""
+    Why: assembling the view's arrays (a split into ~20 tensors, their dataclasses) and the native
+    forward's descriptor of them cost ~45 + ~25 us of a ~500 us one-stream step of the bundled model, the C
+    fill 2 us. The capacity is what varies step to step without changing the forward's work: a view made
+    here holds room for every compressor window its chunks could close (their count changes with the
+    positions: 0 or 1 for a decode row of a ratio-4 layer, 1 or 2 for a 5-row verify) and its visible
+    compressed rows are padded to a multiple of ``VIS_QUANTUM`` with invalid entries (which every reader
+    skips, as it skips a shorter sequence's in a batch). Only a sequence joining or leaving, a chunk's
+    length or the sliding window's width changing, or the visible rows outgrowing their padding make new
+    buffers (before the padding, a verify step's view was rebuilt almost every step, a decode step's every
+    other)."""
 
-    def __init__(self) -> None:
-        self.shape: tuple | None = None
-        self.view: BatchView | None = None
-        self.out: _Out | None = None
+    def __init__(self, shapes: int = 8) -> None:
+        self.shapes = shapes  # views of this many capacities are held (a verify step's rows vary with its drafts)
+        self.held: dict[tuple, _Held] = {}  # by capacity, the oldest first
         self.reused = 0  # views served from the buffers (for tests and logs)
+
+    def hold(self, shape: tuple, held: "_Held") -> None:
+        self.held.pop(shape, None)
+        self.held[shape] = held
+        while len(self.held) > self.shapes:
+            del self.held[next(iter(self.held))]
+
+
+@dataclasses.dataclass
+class _Held:
+    """One capacity's view and C descriptor, the closing windows its compress arrays hold now, per geometry
+    its emit arrays at capacity and its index cut to each count met so far."""
+
+    view: BatchView
+    out: "_Out"
+    emits: tuple[int, ...]
+    full: list[tuple[torch.Tensor, ...]]
+    cuts: list[dict[int, CompressIndex]]
+
+
+VIS_QUANTUM = 32  # visible compressed rows of a reused view: padded to a multiple of this
+
+
+def _emit_arrays(full: tuple[torch.Tensor, ...], e: int, span: int) -> tuple[torch.Tensor, ...]:
+    """The first ``e`` windows of a geometry's emit arrays held at capacity: slots, valid, positions, rows."""
+    slots, valid, pos, rows = full
+    return slots[:e * span].view(e, span), valid[:e * span].view(e, span), pos[:e], rows[:e]
+
+
+def _refill(lib, spec: "_In", held: _Held, ids: torch.Tensor, spans, keys) -> BatchView:
+    """A held view, its arrays rewritten for these chunks; the compress arrays re-cut where the number of
+    closing windows changed."""
+    held.view.ids.copy_(ids)
+    lib.ds4_text_view(ctypes.byref(spec), ctypes.byref(held.out))
+    emits = tuple(e for _, e in spans)
+    if emits != held.emits:
+        for k, ((span, e), key) in enumerate(zip(spans, keys)):
+            cut = held.cuts[k].get(e)
+            if cut is None:
+                es, ev, ep, er = _emit_arrays(held.full[k], e, span)
+                cut = held.cuts[k][e] = dataclasses.replace(held.view.compress[key], emit_slots=es, emit_valid=ev,
+                                                            emit_pos=ep, emit_rows=er)
+            held.view.compress[key] = cut
+        held.emits = emits
+    return held.view
 
 
 def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Tensor,
@@ -110,27 +163,27 @@ def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Te
     if geometry is None:
         return None
     keys, ratios = geometry
-    T, after, kw, longs, bools, spans, widths = _sizes(layout, chunks, keys, ratios)
+    T, after, kw, longs, bools, spans, widths = _sizes(layout, chunks, keys, ratios, capacity=reuse is not None)
     spec, inputs = _inputs(layout, n_slots, chunks, keys, ratios, T, after)
     shape = (after, kw, tuple(longs), tuple(bools))
-    if reuse is not None and reuse.shape == shape:
-        reuse.view.ids.copy_(ids)
-        lib.ds4_text_view(ctypes.byref(spec), ctypes.byref(reuse.out))
+    held = reuse.held.get(shape) if reuse is not None else None
+    if held is not None:
         reuse.reused += 1
-        return reuse.view
+        return _refill(lib, spec, held, ids, spans, keys)
     i64, b8 = torch.empty(sum(longs), dtype=torch.int64), torch.empty(sum(bools), dtype=torch.bool)
     lp = _pointers(i64.data_ptr(), longs, 8)
     bp = _pointers(b8.data_ptr(), bools, 1)
     li, bi = torch.split(i64, longs), torch.split(b8, bools)
     out = _Out(lp[0], lp[1], bp[0], lp[2], lp[3], Kw=kw)
-    compress = {}
+    compress, full = {}, []
     for k, ((span, e), key) in enumerate(zip(spans, keys)):
         j = 4 + 5 * k
         out.emit_slots[k], out.emit_valid[k], out.emit_pos[k], out.emit_rows[k] = lp[j], bp[1 + k], lp[j + 1], lp[j + 2]
         out.ring_dst[k], out.ring_src[k] = lp[j + 3], lp[j + 4]
-        compress[key] = CompressIndex(ratio=key[0], overlap=key[1], emit_slots=li[j].view(e, span),
-                                      emit_valid=bi[1 + k].view(e, span), emit_pos=li[j + 1], emit_rows=li[j + 2],
-                                      ring_dst=li[j + 3], ring_src=li[j + 4])
+        full.append((li[j], bi[1 + k], li[j + 1], li[j + 2]))
+        es, ev, ep, er = _emit_arrays(full[-1], e, span)
+        compress[key] = CompressIndex(ratio=key[0], overlap=key[1], emit_slots=es, emit_valid=ev, emit_pos=ep,
+                                      emit_rows=er, ring_dst=li[j + 3], ring_src=li[j + 4])
     visible = {}
     for r, (ratio, w) in enumerate(zip(ratios, widths)):
         j, jb = 4 + 5 * len(keys) + r, 1 + len(keys) + r
@@ -141,15 +194,17 @@ def text_view(layout: StateLayout, n_slots: int, chunks: Sequence, ids: torch.Te
                      swa_dst=li[2], swa_src=li[3], compress=compress, visible=visible, rings_after_write=after,
                      in_place=reuse is not None)
     if reuse is not None:  # its buffers now hold this view: ``ids`` is the caller's fresh tensor, kept with it
-        reuse.shape, reuse.view, reuse.out = shape, view, out
+        reuse.hold(shape, _Held(view, out, tuple(e for _, e in spans), full,
+                                [{e: compress[key]} for (_, e), key in zip(spans, keys)]))
     return view
 
 
-def _sizes(layout: StateLayout, chunks: Sequence, keys, ratios):
+def _sizes(layout: StateLayout, chunks: Sequence, keys, ratios, capacity: bool = False):
     """``(T, after, Kw, longs, bools, spans, widths)`` of the view of ``chunks``: its rows, whether it reads
     the rings after its writes, its sliding keys a row, the sizes of its int64 and bool arrays in the order
     ``text_view`` assembles them, ``(span, emitted rows)`` per compressor geometry and the visible rows a
-    query per ratio."""
+    query per ratio. ``capacity``: the arrays sized for a reused view (``ViewReuse``): room for every window
+    the chunks' lengths could close, the visible rows padded to ``VIS_QUANTUM``."""
     window = layout.cfg.sliding_window
     starts, ns = [c.start for c in chunks], [len(c) for c in chunks]
     ends = [s + n for s, n in zip(starts, ns)]
@@ -161,11 +216,14 @@ def _sizes(layout: StateLayout, chunks: Sequence, keys, ratios):
     for ratio, overlap in keys:
         span = ratio * (2 if overlap else 1)
         e = sum(end // ratio - s // ratio for s, end in zip(starts, ends))
+        room = sum(n // ratio + 1 for n in ns) if capacity else e
         mk = sum(min(n, span) for n in ns)
         spans.append((span, e))
-        longs += [e * span, e, e, mk, mk]
-        bools.append(e * span)
+        longs += [room * span, room, room, mk, mk]
+        bools.append(room * span)
     widths = [max(e // ratio for e in ends) for ratio in ratios]
+    if capacity:
+        widths = [-(-w // VIS_QUANTUM) * VIS_QUANTUM for w in widths]
     longs += [T * w for w in widths]
     bools += [T * w for w in widths]
     return T, after, kw, longs, bools, spans, widths

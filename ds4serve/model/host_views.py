@@ -2,7 +2,7 @@
 view's index arrays and their sizes.
 
 Built once per view. A view that the engine refills in place step after step (``BatchView.in_place``: the
-merged decode forward's, ``cache/native_view.ViewReuse``) keeps its descriptor, as the addresses and
+merged decode forward's, ``cache/native_view.ViewReuse``, a few of them) keeps its descriptor, as the addresses and
 sizes of its arrays stay what they were; only the layers' snapshot arenas are set again (a forward in
 between may have pointed them elsewhere). Every other view is described afresh: a view whose arrays are
 not contiguous is described through copies that live only for its call.
@@ -19,6 +19,9 @@ from .batch import BatchView, LayerState
 from .host_abi import _Capture, _CompView, _Layer, _StepView, _VisView
 
 
+KEPT = 8  # in-place views whose descriptors are kept (as many as a ``ViewReuse`` holds by default)
+
+
 class StepViews:
     """Descriptors of the views one ``HostForward`` runs, and the last in-place view's kept."""
 
@@ -26,16 +29,28 @@ class StepViews:
                  layers: "ctypes.Array[_Layer]", states: list[LayerState]):
         self.cfg, self.comp_keys, self.ratios = cfg, comp_keys, ratios
         self._layers, self._states = layers, states
-        self._last: tuple[BatchView, _StepView] | None = None
+        self._kept: dict[int, tuple[BatchView, _StepView]] = {}  # in-place views' descriptors, by id, oldest first
 
     def describe(self, view: BatchView, keep: list[torch.Tensor]) -> _StepView:
         """The descriptor of ``view``; ``keep`` holds every tensor a pointer was taken from for the call."""
-        if view.in_place and self._last is not None and self._last[0] is view:
-            sv = self._last[1]
+        kept = self._kept.get(id(view)) if view.in_place else None
+        if kept is not None and kept[0] is view:
+            sv = kept[1]
+            for i, key in enumerate(self.comp_keys):  # the closing windows' count moves within the capacity
+                ci, cv = view.compress[key], sv.comp[i]
+                cv.E = ci.emit_rows.shape[0]
+                if cv.E:  # an empty array has no address: described with none, it may have rows now
+                    cv.emit_slots, cv.emit_valid, cv.emit_pos, cv.emit_rows = (
+                        _arg(ci.emit_slots, keep), _arg(ci.emit_valid, keep), _arg(ci.emit_pos, keep),
+                        _arg(ci.emit_rows, keep))
             self._captures(view, sv, keep)
             return sv
         sv = self._fresh(view, keep)
-        self._last = (view, sv) if view.in_place else None
+        if view.in_place:
+            self._kept.pop(id(view), None)
+            self._kept[id(view)] = (view, sv)
+            while len(self._kept) > KEPT:  # more than ``ViewReuse`` holds: the oldest went there too
+                del self._kept[next(iter(self._kept))]
         return sv
 
     def _fresh(self, view: BatchView, keep: list[torch.Tensor]) -> _StepView:
