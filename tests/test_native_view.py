@@ -11,6 +11,7 @@ from checkpoints import CONFIG_B, CONFIG_C_OFFICIAL, APPENDIX_A
 from ds4serve.cache import SeqChunk, StateLayout, build_view
 from ds4serve.cache import native_view
 from ds4serve.config import ModelConfig
+from ds4serve.scheduler.step_costs import StepCosts
 
 CONFIGS = {"A": APPENDIX_A, "B": CONFIG_B, "C": CONFIG_C_OFFICIAL}
 N_SLOTS, N_PAGES = 8, 64
@@ -117,6 +118,14 @@ def test_build_view_takes_the_native_form_only_for_plain_text(random_ckpt):
     assert not native_view.plain_text(plain, torch.device("meta"))
 
 
+class _Pinned(StepCosts):
+    draft_cost = 0.0
+    per_draft = 0.0
+
+    def costs(self):
+        return (1e-3, 0.0, 1e-6)
+
+
 @pytest.mark.parametrize("speculative", [None, '{"method": "dspark"}'])
 def test_the_engine_answers_the_same_with_its_views_refilled_in_place(speculative):
     """The bundled model, three streams of 40 tokens with logprobs (and with its DSpark drafter, whose verify
@@ -128,6 +137,9 @@ def test_the_engine_answers_the_same_with_its_views_refilled_in_place(speculativ
 
     fresh, reused = LLM(TINY, max_seqs=3, speculative=speculative), LLM(TINY, max_seqs=3, speculative=speculative)
     fresh.core.executor._merged_view = None
+    for llm in (fresh, reused) if speculative else ():  # costs under which every block pays: verify steps
+        llm.core.scheduler.step_costs.__class__ = _Pinned
+        llm.core.scheduler.draft_guard.allows = lambda width: True
     asks = prompts(3, fresh.core.cfg.vocab_size, length=80)  # past the sliding window: its width holds
     got = [llm.generate_with_logprobs(asks, max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
            for llm in (fresh, reused)]
