@@ -122,7 +122,7 @@ class _Held:
     cuts: list[dict[int, CompressIndex]]
 
 
-VIS_QUANTUM = 32  # visible compressed rows of a reused view: padded to a multiple of this
+VIS_QUANTUM = 16  # visible compressed rows of a reused view: padded to a multiple of this
 
 
 def _emit_arrays(full: tuple[torch.Tensor, ...], e: int, span: int) -> tuple[torch.Tensor, ...]:
