@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -321,12 +322,12 @@ class Executor:
                 fed.add([(c, d.request_id) for c, d in zip(chunks, decodes)]
                         + [(c, m.request_id) for c, m in zip(chunks[len(decodes):], [m for p in whole for m in p.members])],
                         self.capture.rows(into))
-        ends = torch.cumsum(torch.tensor([len(c) for c in chunks]), 0).tolist()
+        ends = list(itertools.accumulate(len(c) for c in chunks))
         for e, m in zip(ends[len(decodes):], [m for p in whole for m in p.members]):
             keep_rows(m, streams, e - len(m.ids), scored)
         pick = [r for e, w in zip(ends, want) if w is not None for r in range(e - w.rows, e)]
-        if pick:
-            rows.append(streams.index_select(0, torch.tensor(pick, device=self.device)))
+        if pick:  # every row, in order (a decode-only step): the streams themselves, no gather
+            rows.append(streams if len(pick) == ends[-1] else streams.index_select(0, torch.tensor(pick, device=self.device)))
             owners.extend(w for w in want if w is not None)
         return saved
 

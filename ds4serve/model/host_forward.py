@@ -203,6 +203,7 @@ class HostForward:
             layers=self._layers, d=self._dims(cfg))
         self._arena, self._head_arena = _Arena(), _Arena()
         self._views = StepViews(cfg, self.comp_keys, self.ratios, self._layers, states)
+        self._layer_ids: dict[tuple[int, ...], torch.Tensor] = {}  # a drafter's captured layers, as passed to C
 
     @classmethod
     def create(cls, cfg: ModelConfig, model: nn.Module, states: list[LayerState],
@@ -283,7 +284,9 @@ class HostForward:
                 or tuple(streams.shape) != (T, hc, D):
             raise ValueError("a forward from a middle layer needs its input streams [T, hc, D] (contiguous fp32)")
         captured = torch.empty(T, len(layers) * (D if mean_hc else hc * D))
-        ids = torch.tensor(layers, dtype=torch.int64)
+        ids = self._layer_ids.get(key := tuple(layers))
+        if ids is None:
+            ids = self._layer_ids[key] = torch.tensor(key, dtype=torch.int64)
         rc = self.lib.ds4_forward_captured(byref(self.model), byref(sv), streams.data_ptr(), start, stop,
                                            byref(self._arena), torch.get_num_threads(), ids.data_ptr(), len(layers),
                                            int(mean_hc), captured.data_ptr() if layers else None)

@@ -17,10 +17,21 @@ A mixin of ``Scheduler`` (its ``drafting``, ``limits``, ``step_costs``, ``passes
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import NamedTuple
 
 from ..engine.plan import drafter_captures
 from .request import Request, RequestStatus
+
+
+class Drafter(NamedTuple):
+    """A step's checkpoint-drafter figures: its seconds (the prompt rows' read and the blocks' own forward
+    among them), the blocks asked for and the blocks drafted."""
+
+    seconds: float
+    prompt_s: float
+    block_s: float
+    proposals: int
+    blocks: int
 
 
 class Speculation:
@@ -58,29 +69,28 @@ class Speculation:
             if p is not None and req is not None and not req.status.finished:
                 req.proposal, req.proposal_at, req.proposal_survival = p.tokens, req.computed, p.survival
         if self._unobserved is not None:
-            tokens = tuple(t.with_proposal(proposals[t.slot].tokens, proposals[t.slot].survival)
-                           if t.slot in proposals else t for t in result.tokens)
-            done = replace(result, tokens=tokens, draft_s=result.draft_s + waited, draft_prompt_s=timing.prompt_s,
-                           block_s=timing.block_s, drafting=False)
-            self._observe_step(plan, done, self._unobserved + waited)
+            drafter = Drafter(result.draft_s + waited, timing.prompt_s, timing.block_s, result.proposals,
+                              sum(1 for t in result.tokens if t.slot in proposals))
+            self._observe_step(plan, result, self._unobserved + waited, drafter)
         self._unobserved = None
         self.step_costs.settled(waited)
 
-    def _observe_step(self, plan, result, seconds: float) -> None:
+    def _observe_step(self, plan, result, seconds: float, drafter: Drafter | None = None) -> None:
         """A step's figures for the cost rule and the guard: the drafter's own seconds and blocks
         (``StepCosts.observe_blocks``); for a decode-only step its time without the drafter's
         (``StepCosts.observe``), and with it, with the tokens it committed and whether it verified drafts
-        (``DraftGuard``)."""
-        drafts = sum(len(d.draft) for d in plan.decodes)
-        self.step_costs.observe_blocks(result.draft_s - result.draft_prompt_s, result.proposals, drafts, result.block_s)
+        (``DraftGuard``). ``drafter``: its figures where ``result`` lacks them (``settle_drafts``)."""
+        d = drafter or Drafter(result.draft_s, result.draft_prompt_s, result.block_s, result.proposals,
+                               sum(1 for t in result.tokens if t.proposal))
+        drafts = sum(len(row.draft) for row in plan.decodes)
+        self.step_costs.observe_blocks(d.seconds - d.prompt_s, d.proposals, drafts, d.block_s)
         if not plan.decodes or plan.passes:
             return
-        self.step_costs.observe(len(plan.decodes), drafts, seconds - result.draft_s,
-                                sum(1 for d in plan.decodes if d.draft))
+        self.step_costs.observe(len(plan.decodes), drafts, seconds - d.seconds,
+                                sum(1 for row in plan.decodes if row.draft))
         self.draft_guard.observe(len(plan.decodes), drafts > 0,
-                                 len(plan.decodes) + sum(len(t.accepted) for t in result.tokens), seconds, result.draft_s,
-                                 followed=any(d.follow or d.propose for d in plan.decodes),
-                                 blocks=sum(1 for t in result.tokens if t.proposal))
+                                 len(plan.decodes) + sum(len(t.accepted) for t in result.tokens), seconds, d.seconds,
+                                 followed=any(row.follow or row.propose for row in plan.decodes), blocks=d.blocks)
 
     def _note_unfollowed(self, decodes, passes) -> None:
         """Positions a checkpoint drafter does not capture this step go out of its rings
