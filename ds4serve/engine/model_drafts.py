@@ -165,12 +165,11 @@ LATE_PAUSE = 256
 
 @dataclass
 class _Later:
-    """A proposal running on the host pool's worker: its asks, the native job, the backlog rows it commits
-    (held alive until it is done), their count and prompt share, and the seconds it took to start."""
+    """A proposal running on the host pool's worker: its asks, the native job (which holds the backlog rows
+    it commits until it is done), their count and prompt share, and the seconds it took to start."""
 
     asks: list[Ask]
     job: Any
-    keep: list[torch.Tensor]
     rows: int
     prompt_rows: int
     start_s: float
@@ -211,7 +210,6 @@ class ModelDrafts:
         return self.model.plan
 
     def _state(self, request_id: str, slot: int, start: int) -> Any:
-        self.settle()
         held = self._states.get(slot)
         if held is None or held[0] != request_id or start == 0:
             if held is not None:
@@ -304,8 +302,7 @@ class ModelDrafts:
         entries, prompt_rows = self._backlogs([a.slot for a in asks])
         job = start(entries, [self._states[a.slot][1] for a in asks], [a.anchor for a in asks],
                     [a.position for a in asks], threads)
-        self._later = _Later(asks, job, [e[3] for e in entries], sum(len(e[2]) for e in entries), prompt_rows,
-                             time.perf_counter() - t0)
+        self._later = _Later(asks, job, sum(len(e[2]) for e in entries), prompt_rows, time.perf_counter() - t0)
         self.later += 1
         return True
 
@@ -320,13 +317,13 @@ class ModelDrafts:
         self._later = None
         t0 = time.perf_counter()
         ok, tokens, survival = later.job.wait()
-        self._note_wait(time.perf_counter() - t0, sum(later.job.seconds), bool(later.job.on_worker))
+        commit, blocks = later.job.seconds
+        self._note_wait(time.perf_counter() - t0, commit + blocks, bool(later.job.on_worker))
         out = {a.slot: Proposal(a.position, tuple(t), None, tuple(v))
                for a, t, v, good in zip(later.asks, tokens, survival, ok) if good}
         self.not_ready += ok.count(False)
         self.pending.update(out)
         spent = later.start_s + time.perf_counter() - t0
-        commit, blocks = later.job.seconds
         share = commit / (commit + blocks) if commit + blocks > 0 else 0.0
         prompt = spent * share * later.prompt_rows / later.rows if later.rows else 0.0
         self.timing = ProposeTiming(prompt, spent * (1 - share))
