@@ -52,7 +52,8 @@ static int64_t plan_scratch(const Model *m, const StepView *v, Arena *ar, Scratc
     };
     Need experts[] = {
         {(void **)&s->e.logits, T * padded(d->n_experts)}, {(void **)&s->e.weights, P}, {(void **)&s->e.xs, P * D},
-        {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, max_i(P, T) * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
+        {(void **)&s->e.h, P * 2 * I}, {(void **)&s->e.ys, P * D}, {(void **)&s->e.sh, T * 2 * d->shared_inter},
+        {(void **)&s->e.shy, T * D},
         {(void **)&s->e.idx, P * 2}, {(void **)&s->e.order, P * 2}, {(void **)&s->e.counts, (d->n_experts + 1) * 2},
         {(void **)&s->e.xq, P * (q8 ? q8_row_bytes(D) / 4 : 0)}, {(void **)&s->e.hq, P * (q8 ? q8_row_bytes(I) / 4 : 0)},
     };

@@ -303,15 +303,22 @@ static void nk_blocks(void *c, int64_t lo, int64_t hi) {
 
 static inline int64_t padded(int64_t n) { return (n + VW - 1) / VW * VW; }
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight; FP8 is [K, N] and
-   bf16 [N, K], host_stored.c); column blocks on the pool once there are ~32k multiply-adds per chunk. A
-   [K, N] weight is stored padded to whole vectors (host_forward.py), and writes padded(N) columns: the
-   caller's ldy makes room for them. */
-static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
-    if (w.fmt == 4) {
-        f8p_linear(x, ldx, M, K, w, N, y, ldy);
-        return;
-    }
+/* how linear() runs one product: its job, the loop over its column blocks, how many, their work */
+typedef struct {
+    LinearJob job;
+    range_fn fn;
+    int64_t blocks, per_block;  /* per_block: multiply-adds in one block */
+} LinearPlan;
+
+/* a loop's items of `per_block` multiply-adds each, chunked so that a chunk holds ~32k of them */
+static inline int64_t product_grain(int64_t per_block) {
+    return per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
+}
+
+/* linear()'s plan for every format but FP8 pairs (fmt 4, f8p_linear has its own loops): 0 for those */
+static int linear_plan(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy,
+                       LinearPlan *plan) {
+    if (w.fmt == 4) return 0;
     int f8 = w.fmt == 1;
     int row = w.kn && M <= (f8 ? F8_ROWS_THRESHOLD : ROWS_MAX);
     int64_t per_thread = padded((padded(N) + g_threads - 1) / g_threads);  /* every thread gets a panel */
@@ -319,10 +326,73 @@ static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, 
     int64_t panel = per_thread < cap ? per_thread : cap;
     LinearJob job = {x, ldx, M, K, w, w.kn ? padded(N) : N, y, ldy, panel};
     int64_t width = row ? panel : w.kn ? KN_NV * VW : nk_width(&w, M);
-    int64_t blocks = (N + width - 1) / width, per_block = M * K * width;
-    int64_t grain = per_block >= 32768 ? 1 : (32768 + per_block - 1) / per_block;
-    pool_run(blocks, grain, row ? (f8 ? f8_row_blocks : kn_row_blocks) : w.kn ? (f8 ? f8_blocks : kn_blocks)
-                                                                               : nk_blocks, &job);
+    plan->job = job;
+    plan->fn = row ? (f8 ? f8_row_blocks : kn_row_blocks) : w.kn ? (f8 ? f8_blocks : kn_blocks) : nk_blocks;
+    plan->blocks = (N + width - 1) / width;
+    plan->per_block = M * K * width;
+    return 1;
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T, W as stored (see Weight; FP8 is [K, N] and
+   bf16 [N, K], host_stored.c); column blocks on the pool once there are ~32k multiply-adds per chunk. A
+   [K, N] weight is stored padded to whole vectors (host_forward.py), and writes padded(N) columns: the
+   caller's ldy makes room for them. */
+static void linear(const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N, float *y, int64_t ldy) {
+    LinearPlan plan;
+    if (!linear_plan(x, ldx, M, K, w, N, y, ldy, &plan)) {
+        f8p_linear(x, ldx, M, K, w, N, y, ldy);
+        return;
+    }
+    pool_run(plan.blocks, product_grain(plan.per_block), plan.fn, &plan.job);
+}
+
+/* Independent products run as one loop over all their column blocks: a layer's products of a few rows
+   each (an expert's gate and up of the 1-3 rows routed to it, the shared expert's, the compressor's kv
+   and gate) are too small to split alone (under ~32k multiply-adds a chunk each ran on the calling thread
+   while the others waited), and together they fill every thread in one wait. Each output is computed by
+   the kernel linear() would pick, so its bits are linear()'s. */
+#define LINEARS_MAX 24
+typedef struct {
+    LinearPlan plan[LINEARS_MAX];
+    int64_t start[LINEARS_MAX + 1];  /* plan i's blocks are items [start[i], start[i + 1]) */
+    int n;
+} LinearSet;
+
+static void linears_blocks(void *c, int64_t lo, int64_t hi) {
+    const LinearSet *set = (const LinearSet *)c;
+    for (int i = 0; i < set->n && lo < hi; i++) {
+        int64_t a = set->start[i], b = set->start[i + 1], l = lo > a ? lo : a, h = hi < b ? hi : b;
+        if (l < h) set->plan[i].fn((void *)&set->plan[i].job, l - a, h - a);
+    }
+}
+
+/* run the set's products (one pool loop) and empty it */
+static void linears_run(LinearSet *set) {
+    if (set->n == 0) return;
+    int64_t blocks = set->start[set->n], work = 0;
+    for (int i = 0; i < set->n; i++) work += set->plan[i].blocks * set->plan[i].per_block;
+    if (blocks > 0) pool_run(blocks, product_grain(work / blocks), linears_blocks, set);
+    set->n = 0;
+}
+
+/* linear(), added to the set (run by linears_run): the products of a set read none of each other's
+   outputs. An FP8-pairs product (it has its own loops) and one that writes padding columns run now; a
+   full set is run first. */
+static void linears_add(LinearSet *set, const float *x, int64_t ldx, int64_t M, int64_t K, Weight w, int64_t N,
+                        float *y, int64_t ldy) {
+    if (M <= 0) return;
+    if (set->n == LINEARS_MAX) linears_run(set);
+    if (w.kn && N % VW) {  /* it writes padded(N) columns: never beside a product whose columns follow */
+        linear(x, ldx, M, K, w, N, y, ldy);
+        return;
+    }
+    if (!linear_plan(x, ldx, M, K, w, N, y, ldy, &set->plan[set->n])) {
+        f8p_linear(x, ldx, M, K, w, N, y, ldy);
+        return;
+    }
+    if (set->n == 0) set->start[0] = 0;
+    set->start[set->n + 1] = set->start[set->n] + set->plan[set->n].blocks;
+    set->n++;
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {

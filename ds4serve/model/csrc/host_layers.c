@@ -29,12 +29,16 @@ typedef struct {  /* what a per-row loop of a layer reads (each loop uses its ow
     int64_t n_ring, kc, stride;
 } RowJob;
 
-/* token_states: [C | Z + ape[pos % ratio]] per token, fp32 -> states [T, 2 * width] */
-static void token_states(const Emitter *e, const CompView *cv, const float *xn, int64_t T, int64_t D,
-                         const int64_t *positions, float *states) {
+/* token_states: [C | Z + ape[pos % ratio]] per token, fp32 -> states [T, 2 * width]: the two products go
+   in the layer's first set of products (attention_inputs), the ape rows are added after it ran */
+static void state_products(const Emitter *e, const float *xn, int64_t T, int64_t D, float *states, LinearSet *set) {
     int64_t w = e->width, w2 = 2 * w;
-    linear(xn, D, T, D, e->wkv, w, states, w2);
-    linear(xn, D, T, D, e->wgate, w, states + w, w2);
+    linears_add(set, xn, D, T, D, e->wkv, w, states, w2);
+    linears_add(set, xn, D, T, D, e->wgate, w, states + w, w2);
+}
+
+static void add_ape(const Emitter *e, const CompView *cv, int64_t T, const int64_t *positions, float *states) {
+    int64_t w = e->width, w2 = 2 * w;
     for (int64_t t = 0; t < T; t++) {
         BOUND("position", positions[t], INT64_MAX);
         const float *ape = e->ape + (positions[t] % cv->ratio) * w;
@@ -226,12 +230,19 @@ static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks
     }
 }
 
-static void indexer_inputs(const Model *m, const Layer *L, const float *xn, int64_t T, AttnScratch *s) {
+/* the indexer's queries (from the normed q_a rows) and head weights: products for the layer's second set */
+static void indexer_products(const Model *m, const Layer *L, const float *xn, int64_t T, AttnScratch *s,
+                             LinearSet *set) {
     const Dims *d = &m->d;
-    int64_t Hi = d->idx_heads, di = d->idx_dim, half = d->rope_dim / 2;
-    linear(s->qr, d->q_lora, T, d->q_lora, L->i_q_b, Hi * di, s->q_idx, Hi * di);
-    int64_t hs = L->i_w.kn ? padded(Hi) : Hi;
-    linear(xn, d->hidden, T, d->hidden, L->i_w, Hi, s->head_w, hs);
+    int64_t Hi = d->idx_heads, di = d->idx_dim;
+    linears_add(set, s->qr, d->q_lora, T, d->q_lora, L->i_q_b, Hi * di, s->q_idx, Hi * di);
+    linears_add(set, xn, d->hidden, T, d->hidden, L->i_w, Hi, s->head_w, L->i_w.kn ? padded(Hi) : Hi);
+}
+
+/* the indexer's queries rotated, its head weights scaled (after project_rows wrote the rotations) */
+static void indexer_inputs(const Model *m, const Layer *L, int64_t T, AttnScratch *s) {
+    const Dims *d = &m->d;
+    int64_t Hi = d->idx_heads, di = d->idx_dim, half = d->rope_dim / 2, hs = L->i_w.kn ? padded(Hi) : Hi;
     for (int64_t t = 0; t < T; t++) {  /* s->rot rows hold the compress rotations (a CSA layer's own) */
         rope(s->q_idx + t * Hi * di, Hi, di, s->rot + t * half * 2, half, 0);
         for (int64_t h = 0; h < Hi; h++) s->head_w[t * Hi + h] = s->head_w[t * hs + h] / sqrtf((float)Hi);
@@ -256,35 +267,53 @@ static void project_rows(void *c, int64_t lo, int64_t hi) {
     }
 }
 
-/* q and kv of every token: projections, norms, RoPE (rotations kept in s->rot for the output) */
-static void project(const Model *m, const Layer *L, const StepView *v, const float *xn, AttnScratch *s) {
+/* the emitters of a compressed layer's compressor and (CSA) indexer */
+static void layer_emitters(const Model *m, const Layer *L, Emitter *ce, Emitter *ie) {
+    const Dims *d = &m->d;
+    int64_t hd = d->head_dim;
+    Emitter c = {L->c_kv, L->c_gate, L->c_ape, L->c_norm, L->comp_ring, L->comp_pool, L->snap_comp,
+                 L->comp_ring_rows, hd * (L->kind == 1 ? 2 : 1), hd, L->comp_pool_rows, L->snap_comp_rows};
+    Emitter i = {L->i_kv, L->i_gate, L->i_ape, L->i_norm, L->idx_ring, L->idx_pool, L->snap_idx,
+                 L->idx_ring_rows, 2 * d->idx_dim, d->idx_dim, L->idx_pool_rows, L->snap_idx_rows};
+    *ce = c;
+    *ie = i;
+}
+
+/* Every product of the layer's inputs in two pool loops: q_a, kv and the compressor's and indexer's kv
+   and gate (ce / ie, NULL where the layer has none) from xn; then, after q_a's norm, q_b and the
+   indexer's query and head weights. Then q and kv normed and rotated (rotations kept in s->rot for the
+   output and the indexer). */
+static void attention_inputs(const Model *m, const Layer *L, const StepView *v, const float *xn, AttnScratch *s,
+                             const Emitter *ce, const Emitter *ie) {
     const Dims *d = &m->d;
     int64_t T = v->T, D = d->hidden, H = d->n_heads, hd = d->head_dim;
-    linear(xn, D, T, D, L->q_a, d->q_lora, s->qr, d->q_lora);
+    LinearSet set = {.n = 0};
+    linears_add(&set, xn, D, T, D, L->q_a, d->q_lora, s->qr, d->q_lora);
+    linears_add(&set, xn, D, T, D, L->kv, hd, s->kv, hd);
+    if (ce) state_products(ce, xn, T, D, s->states_c, &set);
+    if (ie) state_products(ie, xn, T, D, s->states_i, &set);
+    linears_run(&set);
     rms_norm(s->qr, T, d->q_lora, L->q_a_norm, d->rms_eps);
-    linear(s->qr, d->q_lora, T, d->q_lora, L->q_b, H * hd, s->q, H * hd);
-    linear(xn, D, T, D, L->kv, hd, s->kv, hd);
+    linears_add(&set, s->qr, d->q_lora, T, d->q_lora, L->q_b, H * hd, s->q, H * hd);
+    if (ie) indexer_products(m, L, xn, T, s, &set);
+    linears_run(&set);
     RowJob job = {.m = m, .L = L, .v = v, .s = s};
     pool_run(T, 8, project_rows, &job);
 }
 
-/* the compressor (and indexer) of a compressed layer: states, captures, emits; returns the keys
-   (pool rows) every query sees beside its sliding ones */
-static void compress(const Model *m, const Layer *L, const StepView *v, const float *xn, AttnScratch *s, Keys *k) {
+/* the compressor (and indexer) of a compressed layer, its states computed (attention_inputs): captures,
+   emits; returns the keys (pool rows) every query sees beside its sliding ones */
+static void compress(const Model *m, const Layer *L, const StepView *v, const Emitter *ce, const Emitter *ie,
+                     AttnScratch *s, Keys *k) {
     const Dims *d = &m->d;
-    int64_t T = v->T, hd = d->head_dim;
+    int64_t T = v->T;
     const CompView *cv = &v->comp[L->comp_key];
     const VisView *vis = &v->vis[L->vis_key];
     int csa = L->kind == 1, after = (int)v->after_write;
-    Emitter ce = {L->c_kv, L->c_gate, L->c_ape, L->c_norm, L->comp_ring, L->comp_pool, L->snap_comp,
-                  L->comp_ring_rows, hd * (csa ? 2 : 1), hd, L->comp_pool_rows, L->snap_comp_rows};
-    Emitter ie = {L->i_kv, L->i_gate, L->i_ape, L->i_norm, L->idx_ring, L->idx_pool, L->snap_idx,
-                  L->idx_ring_rows, 2 * d->idx_dim, d->idx_dim, L->idx_pool_rows, L->snap_idx_rows};
-    token_states(&ce, cv, xn, T, d->hidden, v->positions, s->states_c);
-    if (csa) token_states(&ie, cv, xn, T, d->hidden, v->positions, s->states_i);
     for (int i = 0; i < 1 + csa; i++) {
-        const Emitter *e = i ? &ie : &ce;
-        const float *st = i ? s->states_i : s->states_c;
+        const Emitter *e = i ? ie : ce;
+        float *st = i ? s->states_i : s->states_c;
+        add_ape(e, cv, T, v->positions, st);
         Rows ring = {e->ring, e->ring_rows, 2 * e->width}, snap = {e->snap, e->snap_rows, 2 * e->width};
         if (after) {
             write_ring(ring, st, T, cv->ring_dst, cv->ring_src, cv->M);
@@ -296,7 +325,7 @@ static void compress(const Model *m, const Layer *L, const StepView *v, const fl
     k->pool = L->comp_pool;
     k->pool_rows = L->comp_pool_rows;
     if (csa) {
-        indexer_inputs(m, L, xn, T, s);
+        indexer_inputs(m, L, T, s);
         k->Kc = d->idx_topk < vis->R ? d->idx_topk : vis->R;
         csa_rows(m, L, vis, T, s, k->Kc);
         k->crows = s->crows;
@@ -336,8 +365,10 @@ static void unrope_rows(void *c, int64_t lo, int64_t hi) {  /* the output's inve
 static void attention(const Model *m, const Layer *L, const StepView *v, const float *xn, float *y, AttnScratch *s) {
     const Dims *d = &m->d;
     int64_t T = v->T, D = d->hidden, H = d->n_heads, hd = d->head_dim;
-    int after = (int)v->after_write;
-    project(m, L, v, xn, s);
+    int after = (int)v->after_write, comp = L->kind != 0;
+    Emitter ce, ie;
+    if (comp) layer_emitters(m, L, &ce, &ie);
+    attention_inputs(m, L, v, xn, s, comp ? &ce : NULL, L->kind == 1 ? &ie : NULL);
     Rows swa = {L->swa, L->swa_rows, hd}, snap = {L->snap_swa, L->snap_swa_rows, hd};
     if (after) {
         write_ring(swa, s->kv, T, v->swa_dst, v->swa_src, v->M);
@@ -346,12 +377,14 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     }
     Keys k0 = {L->swa, s->kv, NULL, after ? INT64_MAX : L->swa_rows, v->Kw, 0, hd, NULL, NULL, NULL, NULL,
                L->swa_rows, T, 0};
-    if (L->kind != 0) compress(m, L, v, xn, s, &k0);
-    /* items: (token, group of heads); one group of all heads once there are tokens enough for every
-       thread, else the heads split so that a decode row still spreads (at most 64 heads a group) */
-    int64_t groups = T >= 2 * g_threads ? 1 : (2 * g_threads + T - 1) / T;
+    if (comp) compress(m, L, v, &ce, &ie, s, &k0);
+    /* items: (token, group of heads); one group of all heads once there are 4 tokens a thread, else the
+       heads split so that the items even out over the threads (at most 64 heads a group): a verify step
+       of 5 rows on 2 threads is 10 items, not 5 (3 against 2 items a thread) */
+    int64_t groups = T >= 4 * g_threads ? 1 : (4 * g_threads + T - 1) / T;
     groups = groups > H ? H : groups;
     while ((H + groups - 1) / groups > 64) groups++;
+    groups = (H + (H + groups - 1) / groups - 1) / ((H + groups - 1) / groups);  /* no group left empty */
     RowJob job = {.m = m, .L = L, .v = v, .s = s, .keys = &k0, .stride = k0.Kw + k0.Kc + 1, .kc = groups};
     pool_run(T * groups, 1, attend_rows, &job);
     if (!after) {  /* prefill: every read of the rings is done; now this forward's rows go in */
@@ -366,17 +399,17 @@ static void attention(const Model *m, const Layer *L, const StepView *v, const f
     }
     pool_run(T, 16, unrope_rows, &job);
     int64_t G = d->o_groups, ol = d->o_lora, X = H * hd / G;
-    for (int64_t g = 0; g < G; g++) {  /* block-diagonal o_a: group g of the heads by its own rows */
-        Weight wg = weight_cols(L->o_a, g * ol);
-        linear(s->out + g * X, H * hd, T, X, wg, ol, s->o_mid + g * ol, G * ol);
-    }
+    LinearSet set = {.n = 0};
+    for (int64_t g = 0; g < G; g++)  /* block-diagonal o_a: group g of the heads by its own rows */
+        linears_add(&set, s->out + g * X, H * hd, T, X, weight_cols(L->o_a, g * ol), ol, s->o_mid + g * ol, G * ol);
+    linears_run(&set);
     linear(s->o_mid, G * ol, T, G * ol, L->o_b, D, y, D);
 }
 
 /* ---- mixture of experts (moe.py route / _grouped_pairs / swiglu) -------------------------------- */
 
 typedef struct {
-    float *logits, *weights, *xs, *h, *ys, *sh;
+    float *logits, *weights, *xs, *h, *ys, *sh, *shy;  /* shy: the shared expert's outputs */
     int64_t *idx, *order, *counts;
     uint8_t *xq, *hq;  /* the pairs' inputs and SwiGLU outputs quantised (host_q8.c; q8 experts only) */
 } MoeScratch;
@@ -438,19 +471,52 @@ static void swiglu_rows(float *h, int64_t a, int64_t n, int64_t I, float limit) 
     }
 }
 
-/* each expert's pairs (rows xs, sorted by expert) through its gate/up, SwiGLU and down products */
-static void grouped_experts(const Model *m, const Layer *L, MoeScratch *s) {
+/* the shared expert of a layer (has_shared): gate and up of every token into sh [T, 2W], SwiGLU in its
+   gate half, down into out [T, D]; each step a no-op without one */
+typedef struct {
+    const Model *m;
+    const Layer *L;
+    const float *xn;
+    int64_t T;
+    float *sh, *out;
+} SharedExpert;
+
+static void shared_gate_up(const SharedExpert *e, LinearSet *set) {
+    int64_t D = e->m->d.hidden, W = e->m->d.shared_inter;
+    if (!e->L->has_shared) return;
+    linears_add(set, e->xn, D, e->T, D, e->L->sh_gate, W, e->sh, 2 * W);
+    linears_add(set, e->xn, D, e->T, D, e->L->sh_up, W, e->sh + W, 2 * W);
+    linears_run(set);
+}
+
+static void shared_swiglu(const SharedExpert *e) {
+    if (e->L->has_shared) swiglu_rows(e->sh, 0, e->T, e->m->d.shared_inter, e->m->d.swiglu_limit);
+}
+
+static void shared_down(const SharedExpert *e, LinearSet *set) {
+    int64_t D = e->m->d.hidden, W = e->m->d.shared_inter;
+    if (e->L->has_shared) linears_add(set, e->sh, 2 * W, e->T, W, e->L->sh_down, D, e->out, D);
+}
+
+/* each expert's pairs (rows xs, sorted by expert) through its gate/up, SwiGLU and down products, beside
+   the shared expert's (the set's): every gate/up product in one pool loop, then every down product */
+static void grouped_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s, LinearSet *set,
+                            const SharedExpert *sh) {
     const Dims *d = &m->d;
     int64_t E = d->n_experts, D = d->hidden, I = d->moe_inter;
     for (int64_t e = 0; e < E; e++) {
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
-        if (!n) continue;
         /* stored [E, D, 2I] / [E, I, D] ([K, N] per expert) or as the checkpoint has them */
-        Weight gu = {.p = L->exp_gate_up + e * 2 * I * D, .ld = L->exp_kn ? 2 * I : D, .kn = L->exp_kn},
-               dn = {.p = L->exp_down + e * D * I, .ld = L->exp_kn ? D : I, .kn = L->exp_kn};
-        linear(s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
-        swiglu_rows(s->h, a, n, I, d->swiglu_limit);
-        linear(s->h + a * 2 * I, 2 * I, n, I, dn, D, s->ys + a * D, D);
+        Weight gu = {.p = L->exp_gate_up + e * 2 * I * D, .ld = L->exp_kn ? 2 * I : D, .kn = L->exp_kn};
+        linears_add(set, s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
+    }
+    shared_gate_up(sh, set);
+    swiglu_rows(s->h, 0, P, I, d->swiglu_limit);
+    shared_swiglu(sh);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t a = s->counts[e], n = s->counts[e + 1] - a;
+        Weight dn = {.p = L->exp_down + e * D * I, .ld = L->exp_kn ? D : I, .kn = L->exp_kn};
+        linears_add(set, s->h + a * 2 * I, 2 * I, n, I, dn, D, s->ys + a * D, D);
     }
 }
 
@@ -491,9 +557,9 @@ static void q8_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s)
     }
 }
 
-static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, float *out, MoeScratch *s) {
-    const Dims *d = &m->d;
-    int64_t E = d->n_experts, k = d->top_k, D = d->hidden, P = T * k;
+/* the pairs (token, chosen expert) sorted by expert, stable, and each pair's input row gathered */
+static void sort_pairs(const Dims *d, const float *xn, int64_t P, MoeScratch *s) {
+    int64_t E = d->n_experts, k = d->top_k, D = d->hidden;
     memset(s->counts, 0, (size_t)(E + 1) * 8);
     for (int64_t p = 0; p < P; p++) s->counts[s->idx[p] + 1]++;
     for (int64_t e = 0; e < E; e++) s->counts[e + 1] += s->counts[e];  /* start of each expert's pairs */
@@ -501,31 +567,34 @@ static void experts(const Model *m, const Layer *L, const float *xn, int64_t T, 
     for (int64_t e = 0; e < E; e++) fill[e] = s->counts[e];
     for (int64_t p = 0; p < P; p++) s->order[fill[s->idx[p]]++] = p;  /* pairs sorted by expert, stable */
     for (int64_t i = 0; i < P; i++) memcpy(s->xs + i * D, xn + (s->order[i] / k) * D, (size_t)D * 4);
+}
+
+/* route, the routed experts and the shared one: y = the pairs' outputs summed per token in pair order
+   (by expert), then + the shared expert's. The fp32 experts' products share their pool loops with the
+   shared expert's (grouped_experts); the MXFP4 ones run their own, the shared expert's then. */
+static void moe(const Model *m, const Layer *L, const float *xn, const int64_t *ids, const uint8_t *is_image,
+                int64_t T, float *y, MoeScratch *s) {
+    const Dims *d = &m->d;
+    int64_t D = d->hidden, k = d->top_k, P = T * k;
+    SharedExpert sh = {m, L, xn, T, s->sh, s->shy};
+    LinearSet set = {.n = 0};
+    route(m, L, xn, ids, is_image, T, s);
+    sort_pairs(d, xn, P, s);
     if (L->exp_q8) {
         q8_experts(m, L, P, s);
     } else if (L->exp_packed) {
         packed_experts(m, L, P, s);
     } else {
-        grouped_experts(m, L, s);
+        grouped_experts(m, L, P, s, &set, &sh);
     }
-    memset(out, 0, (size_t)(T * D) * 4);
-    for (int64_t i = 0; i < P; i++) axpy(out + (s->order[i] / k) * D, s->weights[s->order[i]], s->ys + i * D, D);
-}
-
-static void moe(const Model *m, const Layer *L, const float *xn, const int64_t *ids, const uint8_t *is_image,
-                int64_t T, float *y, MoeScratch *s) {
-    const Dims *d = &m->d;
-    int64_t D = d->hidden, W = d->shared_inter;
-    route(m, L, xn, ids, is_image, T, s);
-    experts(m, L, xn, T, y, s);
-    if (!L->has_shared) return;
-    linear(xn, D, T, D, L->sh_gate, W, s->sh, 2 * W);
-    linear(xn, D, T, D, L->sh_up, W, s->sh + W, 2 * W);
-    for (int64_t t = 0; t < T; t++) {
-        float *h = s->sh + t * 2 * W;
-        for (int64_t c = 0; c < W; c++) h[c] = swiglu1(h[c], h[W + c], d->swiglu_limit);
+    if (L->exp_q8 || L->exp_packed) {
+        shared_gate_up(&sh, &set);
+        shared_swiglu(&sh);
     }
-    linear(s->sh, 2 * W, T, W, L->sh_down, D, s->ys, D);  /* ys is free again: the routed sum is in y */
-    for (int64_t i = 0; i < T * D; i++) y[i] += s->ys[i];
+    shared_down(&sh, &set);
+    linears_run(&set);
+    memset(y, 0, (size_t)(T * D) * 4);
+    for (int64_t i = 0; i < P; i++) axpy(y + (s->order[i] / k) * D, s->weights[s->order[i]], s->ys + i * D, D);
+    if (L->has_shared)
+        for (int64_t i = 0; i < T * D; i++) y[i] += s->shy[i];
 }
-
