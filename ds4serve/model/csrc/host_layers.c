@@ -208,10 +208,13 @@ static void attend(const float *q, int64_t nh, const Keys *k, const float *sinks
         }
     }
     if (cnt) attend_logits(q, nh, hd, rows, idx, cnt, scale, probs, stride, mx);
-    for (int64_t h = 0; h < nh; h++) {
+    for (int64_t h = 0; h < nh; h++) {  /* the weights in one pass (vexp), then summed in key order */
         float *p = probs + h * stride;
-        denom[h] = expf(sinks[h] - mx[h]);
-        for (int64_t i = 0; i < n; i++) denom[h] += (p[i] = expf(p[i] - mx[h]));
+        p[n] = sinks[h];
+        for (int64_t i = 0; i <= n; i++) p[i] -= mx[h];
+        ds4_exp_rows(p, n + 1);
+        denom[h] = p[n];
+        for (int64_t i = 0; i < n; i++) denom[h] += p[i];
     }
     memset(out, 0, (size_t)(nh * hd) * 4);
     for (int64_t h = 0; h < nh; h++) {  /* per head, the keys of nonzero weight in order, ATT_KEYS a pass */
@@ -465,9 +468,17 @@ static void route(const Model *m, const Layer *L, const float *xn, const int64_t
 
 /* rows [a, a + n) of h ([gate | up], 2I wide): the gate half becomes SwiGLU(gate, up) in place */
 static void swiglu_rows(float *h, int64_t a, int64_t n, int64_t I, float limit) {
+    vf hi = vsplat(limit), lo = vsplat(-limit), one = vsplat(1.0f);
     for (int64_t i = a; i < a + n; i++) {
         float *r = h + i * 2 * I;
-        for (int64_t c = 0; c < I; c++) r[c] = swiglu1(r[c], r[I + c], limit);
+        int64_t c = 0;
+        for (; c + VW <= I; c += VW) {  /* swiglu1 lane by lane (its clamps as written there), exp by vexp */
+            vf g = vload(r + c), u = vload(r + I + c);
+            g = vsel(g < hi, g, hi);
+            u = vsel(u < lo, lo, vsel(u > hi, hi, u));
+            vstore(r + c, g / (one + vexp(-g)) * u);
+        }
+        for (; c < I; c++) r[c] = swiglu1(r[c], r[I + c], limit);
     }
 }
 
