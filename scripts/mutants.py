@@ -408,6 +408,17 @@ MUTANTS = [
            "ds4serve/runtime/tp_group.py", '    backend = "nccl" if device.type == "cuda" else "gloo"',
            '    backend, timeout_s = ("nccl" if device.type == "cuda" else "gloo"), 86400.0',
            ("tests/test_tensor_parallel.py",)),
+    Mutant("e1", "native exp: the low part of ln 2 dropped from the remainder (errors of thousands of ulps)",
+           "ds4serve/model/csrc/host_kernels.c", "    r = vfma(n, vsplat(2.12194440e-4f), r);", "",
+           ("tests/test_host_exp.py",)),
+    Mutant("e2", "native products in one loop: each product's blocks taken from the set's first item",
+           "ds4serve/model/csrc/host_kernels.c",
+           "        if (l < h) set->plan[i].fn((void *)&set->plan[i].job, l - a, h - a);",
+           "        if (l < h) set->plan[i].fn((void *)&set->plan[i].job, l, h);",
+           ("tests/test_host_forward.py",)),
+    Mutant("e3", "native attention: the sink left out of the softmax's denominator",
+           "ds4serve/model/csrc/host_layers.c", "        denom[h] = p[n];", "        denom[h] = 0.0f;",
+           ("tests/test_host_forward.py",)),
 ]
 
 
