@@ -55,10 +55,19 @@ static inline vf vsplat(float a) {
     return v;
 #endif
 }
+/* the lanes of v summed as a tree (halves, then quarters, ...) in registers: a fixed order, the same bits
+   on every call, in log2(VW) dependent adds where a lane-by-lane sum took VW (the attention's logits end
+   in one such sum per key and head: a quarter of its time went to them) */
+typedef float vf8_ __attribute__((vector_size(32)));
+typedef float vf4_ __attribute__((vector_size(16)));
 static inline float vsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
+#if VW == 16
+    vf8_ h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf8_ h = v;
+#endif
+    vf4_ q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 /* Rounding is decided here, in the source, never by the compiler. The library is built with

@@ -47,22 +47,6 @@ typedef struct {  /* native_dspark.py _Model; main_proj [L * D, D] and w2 [rank,
 
 /* ---- small kernels --------------------------------------------------------------------------- */
 
-/* the lanes of v summed as a tree (halves, then quarters...), in registers: a fixed order, so the same
-   bits on every call and every compiler, in log2(VW) dependent adds instead of host.h vsum's VW (the
-   products here end in ~13k sums a block; a store-and-reload tree stalled on store forwarding) */
-typedef float ds_v8 __attribute__((vector_size(32)));
-typedef float ds_v4 __attribute__((vector_size(16)));
-static inline float ds_hsum(vf v) {
-#if VW == 16
-    ds_v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    ds_v8 h = v;
-#endif
-    ds_v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
 /* y[n] = W[n, :] . x for outputs [n0, n1) (W [N, K] contiguous): four outputs a pass, vectors along K */
 static void ds_dots(const float *x, const float *w, int64_t n0, int64_t n1, int64_t k, float *y) {
     int64_t kv = k - k % VW, n = n0;
@@ -76,7 +60,7 @@ static void ds_dots(const float *x, const float *w, int64_t n0, int64_t n1, int6
             a2 = vfma(vload(w2 + i), xv, a2);
             a3 = vfma(vload(w3 + i), xv, a3);
         }
-        float s0 = ds_hsum(a0), s1 = ds_hsum(a1), s2 = ds_hsum(a2), s3 = ds_hsum(a3);
+        float s0 = vsum(a0), s1 = vsum(a1), s2 = vsum(a2), s3 = vsum(a3);
         for (int64_t i = kv; i < k; i++) {
             s0 = sfma(w0[i], x[i], s0), s1 = sfma(w1[i], x[i], s1);
             s2 = sfma(w2[i], x[i], s2), s3 = sfma(w3[i], x[i], s3);
@@ -87,7 +71,7 @@ static void ds_dots(const float *x, const float *w, int64_t n0, int64_t n1, int6
         const float *wr = w + n * k;
         vf a = vsplat(0);
         for (int64_t i = 0; i < kv; i += VW) a = vfma(vload(wr + i), vload(x + i), a);
-        float s = ds_hsum(a);
+        float s = vsum(a);
         for (int64_t i = kv; i < k; i++) s = sfma(wr[i], x[i], s);
         y[n] = s;
     }
@@ -172,7 +156,7 @@ static float ds_dot(const float *x, const float *y, int64_t n) {
     int64_t nv = n - n % VW;
     vf a = vsplat(0);
     for (int64_t i = 0; i < nv; i += VW) a = vfma(vload(x + i), vload(y + i), a);
-    float s = ds_hsum(a);
+    float s = vsum(a);
     for (int64_t i = nv; i < n; i++) s = sfma(x[i], y[i], s);
     return s;
 }
