@@ -419,6 +419,9 @@ MUTANTS = [
     Mutant("e3", "native attention: the sink left out of the softmax's denominator",
            "ds4serve/model/csrc/host_layers.c", "        denom[h] = p[n];", "        denom[h] = 0.0f;",
            ("tests/test_host_forward.py",)),
+    Mutant("e4", "native experts: the gate/up products not run before SwiGLU (they run beside the down products)",
+           "ds4serve/model/csrc/host_layers.c", "    linears_run(set);  /* every gate/up product before any SwiGLU */",
+           "", ("tests/test_host_forward.py::test_a_model_without_a_shared_expert",)),
 ]
 
 

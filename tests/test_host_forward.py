@@ -348,3 +348,20 @@ def test_products_over_more_than_one_block_of_weight_rows_keep_rows_invariant(tm
     reference = LLM(tmp_path, max_seqs=2, host_kernels="off")
     ids = random_ids(40, 1000, seed=7)
     torch.testing.assert_close(llm.prompt_logits(ids), reference.prompt_logits(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_a_shared_expert(tmp_path):
+    """No shared expert (``n_shared_experts`` 0): the routed experts' gate/up and down products run in
+    their own pool loops, in that order, with nothing beside them; prefill logits and greedy decode
+    agree with the torch path, and rows stay batch invariant."""
+    write_random_text_checkpoint(tmp_path, num_hidden_layers=2, compress_ratios=[0, 4], n_shared_experts=0)
+    llm = LLM(tmp_path, max_seqs=4, host_kernels="on")
+    reference = LLM(tmp_path, max_seqs=2, host_kernels="off")
+    assert llm.core.executor.host is not None
+    ids = random_ids(40, 1000, seed=11)
+    torch.testing.assert_close(llm.prompt_logits(ids), reference.prompt_logits(ids), rtol=1e-4, atol=1e-4)
+    prompts = [random_ids(n, 1000, seed=60 + n) for n in (6, 17, 33)]
+    solo = [llm.generate_with_logprobs([p], max_tokens=5, ignore_eos=True, logprobs=2)[0] for p in prompts]
+    assert llm.generate_with_logprobs(prompts, max_tokens=5, ignore_eos=True, logprobs=2) == solo
+    assert llm.generate(prompts, max_tokens=5, ignore_eos=True) == reference.generate(prompts, max_tokens=5,
+                                                                                     ignore_eos=True)

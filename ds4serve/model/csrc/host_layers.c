@@ -482,8 +482,8 @@ static void swiglu_rows(float *h, int64_t a, int64_t n, int64_t I, float limit) 
     }
 }
 
-/* the shared expert of a layer (has_shared): gate and up of every token into sh [T, 2W], SwiGLU in its
-   gate half, down into out [T, D]; each step a no-op without one */
+/* the shared expert of a layer (has_shared): gate and up of every token into sh [T, 2W] and down into
+   out [T, D] added to a set (the caller runs it), SwiGLU in the gate half; each a no-op without one */
 typedef struct {
     const Model *m;
     const Layer *L;
@@ -497,7 +497,6 @@ static void shared_gate_up(const SharedExpert *e, LinearSet *set) {
     if (!e->L->has_shared) return;
     linears_add(set, e->xn, D, e->T, D, e->L->sh_gate, W, e->sh, 2 * W);
     linears_add(set, e->xn, D, e->T, D, e->L->sh_up, W, e->sh + W, 2 * W);
-    linears_run(set);
 }
 
 static void shared_swiglu(const SharedExpert *e) {
@@ -522,6 +521,7 @@ static void grouped_experts(const Model *m, const Layer *L, int64_t P, MoeScratc
         linears_add(set, s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
     }
     shared_gate_up(sh, set);
+    linears_run(set);  /* every gate/up product before any SwiGLU */
     swiglu_rows(s->h, 0, P, I, d->swiglu_limit);
     shared_swiglu(sh);
     for (int64_t e = 0; e < E; e++) {
@@ -600,6 +600,7 @@ static void moe(const Model *m, const Layer *L, const float *xn, const int64_t *
     }
     if (L->exp_q8 || L->exp_packed) {
         shared_gate_up(&sh, &set);
+        linears_run(&set);
         shared_swiglu(&sh);
     }
     shared_down(&sh, &set);
