@@ -422,6 +422,10 @@ MUTANTS = [
     Mutant("e4", "native experts: the gate/up products not run before SwiGLU (they run beside the down products)",
            "ds4serve/model/csrc/host_layers.c", "    linears_run(set);  /* every gate/up product before any SwiGLU */",
            "", ("tests/test_host_forward.py::test_a_model_without_a_shared_expert",)),
+    Mutant("e5", "native mHC: Sinkhorn's lanes normalise the columns only (rows skipped after the first pass)",
+           "ds4serve/model/csrc/host_kernels.c",
+           "                for (int64_t j = 0; j < hc; j++) m[i * hc + j] = m[i * hc + j] / (e + s);", "",
+           ("tests/test_host_forward.py",)),
 ]
 
 
