@@ -509,9 +509,9 @@ static void shared_down(const SharedExpert *e, LinearSet *set) {
 }
 
 /* each expert's pairs (rows xs, sorted by expert) through its gate/up, SwiGLU and down products, beside
-   the set's (the shared expert's): every gate/up product in one pool loop run here; the down products
-   are added to the set for the caller to run */
-static void grouped_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s, LinearSet *set) {
+   the shared expert's (the set's): every gate/up product in one pool loop, then every down product */
+static void grouped_experts(const Model *m, const Layer *L, int64_t P, MoeScratch *s, LinearSet *set,
+                            const SharedExpert *sh) {
     const Dims *d = &m->d;
     int64_t E = d->n_experts, D = d->hidden, I = d->moe_inter;
     for (int64_t e = 0; e < E; e++) {
@@ -520,8 +520,10 @@ static void grouped_experts(const Model *m, const Layer *L, int64_t P, MoeScratc
         Weight gu = {.p = L->exp_gate_up + e * 2 * I * D, .ld = L->exp_kn ? 2 * I : D, .kn = L->exp_kn};
         linears_add(set, s->xs + a * D, D, n, D, gu, 2 * I, s->h + a * 2 * I, 2 * I);
     }
+    shared_gate_up(sh, set);
     linears_run(set);  /* every gate/up product before any SwiGLU */
     swiglu_rows(s->h, 0, P, I, d->swiglu_limit);
+    shared_swiglu(sh);
     for (int64_t e = 0; e < E; e++) {
         int64_t a = s->counts[e], n = s->counts[e + 1] - a;
         Weight dn = {.p = L->exp_down + e * D * I, .ld = L->exp_kn ? D : I, .kn = L->exp_kn};
@@ -589,17 +591,18 @@ static void moe(const Model *m, const Layer *L, const float *xn, const int64_t *
     LinearSet set = {.n = 0};
     route(m, L, xn, ids, is_image, T, s);
     sort_pairs(d, xn, P, s);
-    shared_gate_up(&sh, &set);  /* run beside the fp32 experts' gate/up products, or alone */
-    if (L->exp_q8 || L->exp_packed) {
-        linears_run(&set);
-        if (L->exp_q8)
-            q8_experts(m, L, P, s);
-        else
-            packed_experts(m, L, P, s);
+    if (L->exp_q8) {
+        q8_experts(m, L, P, s);
+    } else if (L->exp_packed) {
+        packed_experts(m, L, P, s);
     } else {
-        grouped_experts(m, L, P, s, &set);  /* runs the set's gate/up products, leaves the down ones in it */
+        grouped_experts(m, L, P, s, &set, &sh);
     }
-    shared_swiglu(&sh);
+    if (L->exp_q8 || L->exp_packed) {
+        shared_gate_up(&sh, &set);
+        linears_run(&set);
+        shared_swiglu(&sh);
+    }
     shared_down(&sh, &set);
     linears_run(&set);
     memset(y, 0, (size_t)(T * D) * 4);
